@@ -1,0 +1,250 @@
+"""Engine configuration: a few small dataclasses, and the flat engine arguments that build them.
+
+Mirrors vllm/config/ (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, VllmConfig)
+and vllm/engine/arg_utils.py (EngineArgs) (chapter 01).
+
+Why two layers: users and the CLI speak in flat keyword arguments with vLLM's names
+(`LLM(model, block_size=16, max_num_seqs=64)`); the engine's parts each want only their
+own slice. `EngineArgs.create_engine_config()` is the single place that checks the
+arguments and splits them into the slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _default_model() -> str:
+    """The bundled demo checkpoint, used when no model is given."""
+    return str(Path(__file__).parent / "demo_model" / "checkpoint")
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint, in which dtype, for how long a context."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
+    enforce_eager: bool = False
+    hf_config: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        config_path = Path(self.model) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(
+                f"model {self.model!r} is not a local checkpoint directory (no config.json there). "
+                "nano_v1 never downloads: pass the path of a directory written by save_pretrained."
+            )
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+        archs = raw.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"model {self.model!r} has architectures {archs}; nano_v1 supports "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}."
+            )
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.tokenizer = self.tokenizer or self.model
+        self.dtype = self._resolve_dtype(self.dtype)
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
+            raise ValueError(
+                f"max_model_len must be a positive integer <= the model's max_position_embeddings "
+                f"({limit}), got {self.max_model_len!r}."
+            )
+
+    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            # Like vLLM: the checkpoint's dtype, but float32 checkpoints stay float32.
+            name = str(getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", "float32"))
+            return _DTYPES.get(name.replace("torch.", ""), torch.float32)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
+        return _DTYPES[dtype]
+
+    # Shape accessors, named as in vLLM's ModelConfig.
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    def get_num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    def get_num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    def get_num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    def get_head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    """How the paged KV cache is laid out and sized (chapters 02 and 03)."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    # On CPU there is nothing to profile against: the KV cache gets this many bytes.
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    # Set by the worker once the cache is sized.
+    num_gpu_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """The one token budget and its companions (chapter 04)."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 0  # copied from ModelConfig
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a single request may take the whole budget
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was requested but CUDA is not available.")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}.")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, one slice per part (vLLM: VllmConfig)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """The flat keyword arguments of `LLM(...)` and the CLI, with vLLM's names."""
+
+    model: str = field(default_factory=_default_model)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; nano_v1 accepts {sorted(known)}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        model_config = ModelConfig(
+            model=os.fspath(self.model),
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            load_format=self.load_format,
+            enforce_eager=self.enforce_eager,
+        )
+        self._check_positive("block_size", self.block_size)
+        self._check_positive("max_num_seqs", self.max_num_seqs)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+        if self.num_gpu_blocks_override is not None:
+            self._check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        max_model_len = model_config.max_model_len
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # With chunked prefill a long prompt is split, so the budget can be smaller than a
+            # context; without it, the whole prompt must fit into one step.
+            max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        self._check_positive("max_num_batched_tokens", max_num_batched_tokens)
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill disabled: long prompts could never be scheduled."
+            )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+            ),
+            device_config=DeviceConfig(self.device),
+        )
+
+    @staticmethod
+    def _check_positive(name: str, value: Any) -> None:
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -1,0 +1,77 @@
+"""The scheduler's decision for one step, as the model runner receives it.
+
+Mirrors vllm/v1/core/sched/output.py (chapter 04).
+
+Why it is shaped this way: the model runner keeps every running request's state
+between steps (chapter 05), so the scheduler sends a *diff*. A request seen for the
+first time travels in full (`NewRequestData`); a request the runner already holds
+travels as a few columns (`CachedRequestData`): its new blocks and its progress.
+Tokens the runner sampled itself never travel back to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nano_v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nano_v1.request import Request
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything the runner needs about a request it has never seen."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: "Request", block_ids: list[int]) -> "NewRequestData":
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Columns for requests the runner already holds (one entry per request).
+
+    `new_block_ids[i]` are blocks appended since the last step, or, when
+    `resumed_from_preemption[i]`, the request's whole new block list (the old one was
+    freed when it was preempted).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: which requests run, and how many tokens each."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # {request_id: number of tokens to compute this step}; the one token budget.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # {request_id: draft token ids to verify this step} (chapter 10).
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    # Number of leading KV blocks shared by every running request (chapter 07).
+    num_common_prefix_blocks: int
+    # Requests finished since the last step: the runner drops their state.
+    finished_req_ids: set[str]

@@ -1,0 +1,62 @@
+"""What flows out of the engine: per-step worker output and per-request user output.
+
+Mirrors two vLLM files (chapters 01 and 04):
+- vllm/v1/outputs.py: `ModelRunnerOutput`, what the model runner hands back to the
+  scheduler after one step;
+- vllm/outputs.py: `RequestOutput` / `CompletionOutput`, what `LLM.generate` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# ---------------------------------------------------------------- worker side (vllm/v1/outputs.py)
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's results, indexed like the persistent batch.
+
+    `sampled_token_ids[req_id_to_index[r]]` holds the tokens request `r` gained this
+    step: one for a decode or a prefill that reached its last prompt token, none for a
+    prefill chunk that stopped short (its sample is discarded), and up to 1 + k with
+    k speculative tokens.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    # Per request, per sampled token: {token_id: logprob} for the top `logprobs`
+    # tokens plus the sampled one. None when no request asked for logprobs.
+    logprobs: list[list[dict[int, float]]] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+# ---------------------------------------------------------------- user side (vllm/outputs.py)
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything the user sees of one request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,98 @@
+"""Sampling parameters: how one request turns logits into tokens, and when it stops.
+
+Mirrors vllm/sampling_params.py (chapter 01).
+
+This is a user-facing boundary, so every field is checked here, once, with a
+`ValueError` that names the field; nothing downstream re-validates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, named as in vLLM.
+
+    `top_k=0` (or -1) and `top_p=1.0` mean "no truncation"; `temperature=0` means greedy.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled by the engine from the tokenizer; not a user setting.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify_args()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify_args(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}.")
+        check(
+            isinstance(self.temperature, (int, float)) and self.temperature >= 0.0,
+            f"temperature must be a number >= 0, got {self.temperature!r}.",
+        )
+        check(
+            isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+            f"top_p must be in (0, 1], got {self.top_p!r}.",
+        )
+        check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}.",
+        )
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.",
+        )
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).",
+        )
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            f"logprobs must be an integer >= 0, got {self.logprobs!r}.",
+        )
+        check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a non-empty string or a list of them, got {self.stop!r}.",
+        )
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature ~ 0)."""
+        return self.temperature < _SAMPLING_EPS

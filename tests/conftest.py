@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny, randomly initialised Hugging Face checkpoints saved to disk.
+
+Every parity test loads these through the same path a real checkpoint takes
+(`config.json` + `model.safetensors` in a directory); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY_SHAPES = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def make_tiny_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> str:
+    """Write a random tiny `arch` checkpoint (qwen3 | qwen2 | llama) to `path`; return it."""
+    import transformers
+
+    cfg_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    kwargs = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kwargs)).to(torch.float32).eval()
+    # Random init is near-uniform: widen the weights so greedy decoding is not a tie-break lottery.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=["qwen3", "qwen2", "llama"])
+def tiny_checkpoint_any(request, tmp_path_factory) -> str:
+    """A tiny checkpoint of each supported architecture."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
