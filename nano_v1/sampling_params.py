@@ -8,10 +8,19 @@ This is a user-facing boundary, so every field is checked here, once, with a
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a running request carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes (offline `LLM.generate`)
 
 
 @dataclass
@@ -33,6 +42,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer; not a user setting.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

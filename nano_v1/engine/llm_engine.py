@@ -1,0 +1,98 @@
+"""The synchronous engine: frontend (tokenize, detokenize) around an engine core.
+
+Mirrors vllm/v1/engine/llm_engine.py (chapters 01 and 09).
+
+Why this layering: the engine core works only in token ids and knows nothing of text
+or of `n`; this class owns the tokenizer, validates input (`Processor`), fans out
+`n > 1` into independent core requests, and turns core outputs back into
+`RequestOutput`s (`OutputProcessor`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from nano_v1.config import EngineArgs, EngineConfig
+from nano_v1.engine import EngineCoreRequest
+from nano_v1.engine.core_client import EngineCoreClient
+from nano_v1.engine.output_processor import OutputProcessor
+from nano_v1.engine.processor import Processor, PromptType, load_tokenizer
+from nano_v1.outputs import RequestOutput
+from nano_v1.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.tokenizer = load_tokenizer(engine_config.model_config)
+        self.processor = Processor(engine_config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCoreClient.make_client(engine_config)
+        self.last_scheduler_stats: dict[str, float] | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def process_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[str | None, list[EngineCoreRequest]]:
+        """Validate and tokenize; return the prompt text and one core request per completion.
+
+        Nothing is queued yet, so a caller can validate a whole batch before adding any of it.
+        """
+        if request_id in self.output_processor.parent_requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        prompt_text, request = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
+        n = request.sampling_params.n
+        if n == 1:
+            return prompt_text, [request]
+        children = []
+        for index in range(n):
+            child_params = copy.copy(request.sampling_params)
+            child_params.n = 1
+            if child_params.seed is not None:
+                child_params.seed += index  # distinct but reproducible streams
+            children.append(
+                dataclasses.replace(request, request_id=f"{index}_{request_id}", sampling_params=child_params)
+            )
+        return prompt_text, children
+
+    def add_processed_request(self, request_id: str, prompt_text: str | None, requests: list[EngineCoreRequest]) -> None:
+        self.output_processor.add_request(request_id, prompt_text, requests)
+        for request in requests:
+            self.engine_core.add_request(request)
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        prompt_text, requests = self.process_request(request_id, prompt, params, arrival_time, priority)
+        self.add_processed_request(request_id, prompt_text, requests)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        unknown = [r for r in request_ids if r not in self.output_processor.parent_requests]
+        if unknown:
+            raise ValueError(f"unknown or already finished request id(s): {unknown}.")
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        if outputs.scheduler_stats is not None:
+            self.last_scheduler_stats = outputs.scheduler_stats
+        return processed.request_outputs
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parent_requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0

@@ -1,0 +1,182 @@
+"""Output processing in the frontend: token ids in, user-facing `RequestOutput`s out.
+
+Mirrors vllm/v1/engine/output_processor.py and vllm/v1/engine/parallel_sampling.py
+(chapter 09).
+
+Why in the frontend: detokenization and stop-string matching are pure Python string
+work. Keeping them out of the engine core keeps the core's busy loop on the model; with
+the core in its own process (chapter 09), this work overlaps the next step. A stop
+string found here finishes the request, and the caller tells the core to abort it.
+
+`n > 1` is fanned out here too: the core only ever sees independent requests
+(`"{index}_{request_id}"`); a parent gathers their completions into one output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nano_v1.engine import EngineCoreOutput, EngineCoreRequest
+from nano_v1.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from nano_v1.outputs import CompletionOutput, RequestOutput
+from nano_v1.sampling_params import RequestOutputKind
+
+
+@dataclass
+class ParentRequest:
+    """The user's request when `n > 1`: one completion per child request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    completions: list[CompletionOutput | None]
+    num_cached_tokens: int = 0
+    # Per completion, (tokens, characters) already sent: what DELTA outputs skip.
+    num_sent: list[tuple[int, int]] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return all(c is not None and c.finished() for c in self.completions)
+
+
+@dataclass
+class RequestState:
+    """Frontend state of one engine-core request."""
+
+    request_id: str
+    parent: ParentRequest
+    index: int  # which of the parent's n completions this is
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    include_stop_str_in_output: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    # Requests finished here (by a stop string) that the engine core must abort.
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(
+        self, parent_id: str, prompt: str | None, requests: list[EngineCoreRequest]
+    ) -> None:
+        """Register a user request and its child engine-core requests (one per completion)."""
+        if parent_id in self.parent_requests:
+            raise ValueError(f"request id {parent_id!r} is already in use.")
+        first = requests[0]
+        parent = ParentRequest(
+            request_id=parent_id,
+            prompt=prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            output_kind=first.sampling_params.output_kind,
+            completions=[None] * len(requests),
+            num_sent=[(0, 0)] * len(requests),
+        )
+        self.parent_requests[parent_id] = parent
+        for index, request in enumerate(requests):
+            params = request.sampling_params
+            self.request_states[request.request_id] = RequestState(
+                request_id=request.request_id,
+                parent=parent,
+                index=index,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget user requests; return their engine-core request ids to abort in the core."""
+        child_ids = []
+        for parent_id in request_ids:
+            parent = self.parent_requests.pop(parent_id, None)
+            if parent is None:
+                continue
+            ids = [rid for rid, st in self.request_states.items() if st.parent is parent]
+            for rid in ids:
+                del self.request_states[rid]
+            child_ids.extend(ids)
+        return child_ids
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        touched: dict[str, ParentRequest] = {}
+        for out in engine_core_outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted by the user meanwhile
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.token_ids.extend(out.new_token_ids)
+            if state.logprobs is not None and out.new_logprobs:
+                state.logprobs.extend(out.new_logprobs)
+            delta = state.detokenizer.update(out.new_token_ids)
+            text = state.detokenizer.output_text
+            if state.stop and delta:
+                hit = find_stop_string(text, len(delta), state.stop)
+                if hit is not None:
+                    stop_str, idx = hit
+                    text = text[: idx + len(stop_str)] if state.include_stop_str_in_output else text[:idx]
+                    finish_reason, stop_reason = "stop", stop_str
+                    if not out.finished:
+                        reqs_to_abort.append(out.request_id)
+            parent = state.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            parent.completions[state.index] = CompletionOutput(
+                index=state.index,
+                text=text,
+                token_ids=state.token_ids,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=state.logprobs,
+            )
+            touched[parent.request_id] = parent
+            if finish_reason is not None:
+                del self.request_states[out.request_id]
+        for parent in touched.values():
+            output = self._make_request_output(parent)
+            if output is not None:
+                request_outputs.append(output)
+            if parent.finished():
+                del self.parent_requests[parent.request_id]
+        return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    def _make_request_output(self, parent: ParentRequest) -> RequestOutput | None:
+        finished = parent.finished()
+        if parent.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for c in parent.completions:
+            if c is None:
+                continue
+            num_tokens, num_chars = parent.num_sent[c.index] if parent.output_kind == RequestOutputKind.DELTA else (0, 0)
+            parent.num_sent[c.index] = (len(c.token_ids), len(c.text))
+            logprobs = c.logprobs[num_tokens:] if c.logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    c.index, c.text[num_chars:], c.token_ids[num_tokens:], c.finish_reason, c.stop_reason, logprobs
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+        )

@@ -1,0 +1,120 @@
+"""Input processing: turn a user prompt and its sampling parameters into an `EngineCoreRequest`.
+
+Mirrors vllm/v1/engine/processor.py (chapter 01).
+
+Why here: this is the boundary where user input enters the engine, so every check that
+can fail because of the user happens here, before anything is queued. A bad prompt is
+rejected with a `ValueError` that names the problem, and no other request is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from nano_v1.config import ModelConfig
+from nano_v1.engine import EngineCoreRequest
+from nano_v1.sampling_params import SamplingParams
+
+# A prompt is a string, or a dict with "prompt_token_ids" (or "prompt"), as in vLLM.
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(model_config: ModelConfig):
+    """The checkpoint's Hugging Face tokenizer, or None if the directory has none."""
+    from pathlib import Path
+
+    path = Path(model_config.tokenizer)
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos_ids(model_config: ModelConfig) -> set[int]:
+    """EOS ids that generation_config.json adds on top of the tokenizer's (as HF generate uses)."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_config.model).eos_token_id
+    except OSError:
+        eos = model_config.hf_config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.get_vocab_size()
+        self.generation_eos_ids = _generation_eos_ids(model_config)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_id = tokenizer.eos_token_id
+        else:
+            self.eos_token_id = min(self.generation_eos_ids) if self.generation_eos_ids else None
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids), validating their form."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+                    raise ValueError("prompt_token_ids must be a list of integers.")
+                return prompt.get("prompt"), list(token_ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}.")
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model {self.model_config.model!r} has no tokenizer; pass {{'prompt_token_ids': [...]}} instead of text."
+            )
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        prompt_text, token_ids = self.tokenize(prompt)
+        self._validate_prompt(token_ids)
+        max_model_len = self.model_config.max_model_len
+        params = copy.copy(params)  # the engine fills in per-request fields
+        room = max_model_len - len(token_ids)
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.generation_eos_ids
+        return prompt_text, EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+        )
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token.")
+        max_model_len = self.model_config.max_model_len
+        if len(token_ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room for output within "
+                f"max_model_len={max_model_len}; shorten the prompt or raise max_model_len."
+            )
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is out of vocabulary (vocab_size={self.vocab_size}).")

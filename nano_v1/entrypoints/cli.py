@@ -1,0 +1,90 @@
+"""The `nano-v1` command: `generate`, and `bench throughput | scheduler`.
+
+Mirrors vllm/entrypoints/cli/ (chapters 01 and 09).
+
+Engine flags are derived from `EngineArgs`' fields, so the CLI and `LLM(**kwargs)`
+accept the same names (`--max-num-seqs` is `max_num_seqs`), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from nano_v1.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per EngineArgs field; defaults come from the dataclass."""
+    group = parser.add_argument_group("engine arguments (same names as LLM(**kwargs))")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+            group.add_argument(flag, type=base if base in (int, float) else str, default=None)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from the flags the user actually gave (others keep their defaults)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs.from_kwargs(**{k: v for k, v in given.items() if v is not None})
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from nano_v1 import LLM, SamplingParams
+
+    engine_args = engine_args_from(args)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed, max_tokens=args.max_tokens,
+    )
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs):
+        for completion in output.outputs:
+            print(prompt + completion.text)
+            print("-" * 40)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="nano-v1", description="nano_v1: an annotated vLLM v1.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts with a model (default: the bundled demo model)")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("-n", "--n", type=int, default=1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a peer and writes JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from nano_v1.benchmarks import scheduler_overhead, throughput
+
+    for module in (throughput, scheduler_overhead):
+        p = bench_sub.add_parser(module.NAME, help=module.__doc__.splitlines()[0])
+        module.add_cli_args(p)
+        if module.USES_ENGINE_ARGS:
+            add_engine_args(p)
+        p.set_defaults(func=module.main)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"nano-v1: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
