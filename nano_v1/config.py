@@ -87,7 +87,7 @@ class ModelConfig:
             return dtype
         if dtype == "auto":
             # Like vLLM: the checkpoint's dtype, but float32 checkpoints stay float32.
-            name = str(getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", "float32"))
+            name = str(getattr(self.hf_config, "dtype", None) or "float32")
             return _DTYPES.get(name.replace("torch.", ""), torch.float32)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nano_v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nano_v1.core.kv_cache_utils import BlockHash
+    from nano_v1.core.kv_cache_utils import BlockHash, RequestBlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,7 +57,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         priority: int = 0,
-        block_hasher: Callable[["Request"], list["BlockHash"]] | None = None,
+        block_hasher: "RequestBlockHasher | None" = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -107,15 +106,19 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Hash any block that the latest tokens have just filled."""
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        # Cheap test first: is there a full block beyond the ones already hashed?
+        if hasher is not None and len(self._all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.block_hashes.extend(hasher(self))
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -115,23 +115,26 @@ class Scheduler:
 
         # Pass 1: RUNNING requests, in order. Each wants to close the gap between its
         # computed tokens and its known tokens (1 for a decode, more for a chunked prompt).
+        # (Hot loop: one iteration per running request per step, so attributes are hoisted.)
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        threshold = self.long_prefill_token_threshold
+        max_position = self.max_model_len - 1
+        num_lookahead_tokens = self.num_lookahead_tokens
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = self.long_prefill_token_threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_computed = request.num_computed_tokens
+            num_new_tokens = request.num_tokens_with_spec - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
             # Never compute a position past the context window (drafts could push it there).
-            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            num_new_tokens = min(num_new_tokens, token_budget, max_position - num_computed)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
 
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
-                )
+                new_blocks = allocate_slots(request, num_new_tokens, 0, None, num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 # Out of KV blocks: preempt the lowest-priority running request, which
@@ -152,13 +155,13 @@ class Scheduler:
                 break
 
             scheduled_running_reqs.append(request)
-            req_to_new_blocks[request.request_id] = [b.block_id for b in new_blocks]
+            req_to_new_blocks[request.request_id] = [b.block_id for b in new_blocks] if new_blocks else []
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
-            # Drafts beyond what the budget allowed are dropped, not deferred.
-            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
             if request.spec_token_ids:
+                # Drafts beyond what the budget allowed are dropped, not deferred.
+                num_spec = num_new_tokens + num_computed - request.num_tokens
                 del request.spec_token_ids[max(num_spec, 0) :]
                 if request.spec_token_ids:
                     scheduled_spec_decode_tokens[request.request_id] = list(request.spec_token_ids)
@@ -250,13 +253,14 @@ class Scheduler:
     def _make_cached_request_data(
         running_reqs: list[Request], resumed_reqs: list[Request], req_to_new_blocks: dict[str, list[int]]
     ) -> CachedRequestData:
-        data = CachedRequestData()
-        for req, resumed in [(r, False) for r in running_reqs] + [(r, True) for r in resumed_reqs]:
-            data.req_ids.append(req.request_id)
-            data.resumed_from_preemption.append(resumed)
-            data.new_block_ids.append(req_to_new_blocks[req.request_id])
-            data.num_computed_tokens.append(req.num_computed_tokens)
-        return data
+        reqs = running_reqs + resumed_reqs
+        req_ids = [req.request_id for req in reqs]
+        return CachedRequestData(
+            req_ids=req_ids,
+            resumed_from_preemption=[False] * len(running_reqs) + [True] * len(resumed_reqs),
+            new_block_ids=[req_to_new_blocks[req_id] for req_id in req_ids],
+            num_computed_tokens=[req.num_computed_tokens for req in reqs],
+        )
 
     # ------------------------------------------------------------------ after the step
     def update_from_output(
@@ -267,16 +271,18 @@ class Scheduler:
         stopped: list[Request] = []
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        req_id_to_index = model_runner_output.req_id_to_index
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        requests = self.requests
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
-            req_index = model_runner_output.req_id_to_index[req_id]
+            request = requests.get(req_id)
+            if request is None:
+                continue  # finished (aborted) while the step ran: finished requests are forgotten
+            req_index = req_id_to_index[req_id]
             new_token_ids = sampled[req_index]
-            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-            if num_drafts:
+            if spec_tokens and req_id in spec_tokens:
                 # k drafts scheduled, len(new) - 1 accepted: the rest were computed for nothing.
-                request.num_computed_tokens -= num_drafts + 1 - len(new_token_ids)
+                request.num_computed_tokens -= len(spec_tokens[req_id]) + 1 - len(new_token_ids)
             if not new_token_ids:
                 continue  # a prefill chunk that has not reached the last prompt token
 
@@ -290,12 +296,12 @@ class Scheduler:
             new_logprobs = logprobs[req_index][: len(new_token_ids)] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=list(new_token_ids),
-                    new_logprobs=new_logprobs,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
+                    req_id,
+                    new_token_ids,
+                    new_logprobs,
+                    request.get_finished_reason() if is_stopped else None,
+                    request.stop_reason,
+                    request.num_cached_tokens,
                 )
             )
             if is_stopped:

@@ -14,15 +14,16 @@ from nano_v1.request import Request, RequestStatus
 
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set a finished status on `request` and return True if its last token ends it."""
-    if request.num_tokens >= max_model_len or (
-        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-    ):
+    output_token_ids = request.output_token_ids
+    num_output_tokens = len(output_token_ids)
+    max_tokens = request.max_tokens
+    if request.num_tokens >= max_model_len or (max_tokens is not None and num_output_tokens >= max_tokens):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     params = request.sampling_params
-    if request.num_output_tokens < params.min_tokens:
+    if num_output_tokens < params.min_tokens:
         return False
-    last_token_id = request.output_token_ids[-1]
+    last_token_id = output_token_ids[-1]
     if not params.ignore_eos and last_token_id == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
         return True

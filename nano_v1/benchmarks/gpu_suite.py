@@ -1,0 +1,621 @@
+"""Every GPU measurement in one run of a few minutes: ceilings, decode latency, throughput against transformers.
+
+Mirrors the role of vllm/benchmarks/ (latency, throughput) for a device we hold for
+minutes, not days (chapter 00).
+
+Why it exists: a GPU is lent to this project rarely and briefly (15 minutes, start-up
+included), so everything we want to know from it must already be written, tested on a
+CPU, and run in one command that cannot stall:
+
+    python -m nano_v1.benchmarks.gpu_suite --out OUT            # on a CUDA machine, < 6 minutes
+    python -m nano_v1.benchmarks.gpu_suite --out OUT --smoke    # anywhere: tiny sizes, < 1 minute
+
+It writes OUT/gpu_suite.json (rewritten after every measurement, so a run cut short still
+leaves its results) and OUT/gpu_suite.log. Measurements are a registry: a function
+`fn(ctx) -> dict` registered under a name with a time cap,
+
+    @register("cascade_attention", cap_s=40, needs_cuda=True)
+    def cascade_attention(ctx: SuiteContext) -> dict: ...
+
+and run in registration order. One that raises is recorded with its traceback; one that
+passes its cap is interrupted (SIGALRM) and recorded as timed out, with whatever it put
+in `ctx.partial`; either way the suite goes on. `needs_cuda` ones are skipped on a CPU.
+Models are built from the configs in `benchmarks/configs/` with dummy weights
+(`load_format="dummy"`): real shapes, random values, no checkpoint to download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import platform
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from nano_v1.benchmarks.roofline import (
+    H200_DATASHEET,
+    DeviceCeilings,
+    ModelShape,
+    decode_step_cost,
+    measure_device_ceilings,
+    workload_cost,
+)
+from nano_v1.benchmarks.throughput import run_generate_batch, run_nano_v1
+from nano_v1.benchmarks.utils import BenchRequest, sample_random_requests, write_json, write_tiny_qwen3
+from nano_v1.config import EngineArgs
+
+NAME = "gpu_suite"
+CONFIGS_DIR = Path(__file__).parent / "configs"
+# The whole suite on an H200: every cap below adds up to this, which leaves start-up and
+# model builds inside the 6 minutes the GPU session can spare.
+DEFAULT_TIME_BUDGET_S = 330.0
+SMOKE_TIME_BUDGET_S = 60.0
+# nano-vllm's benchmark, which GOALS.md's H200 goal is stated on.
+NUM_PROMPTS = 256
+LEN_RANGE = (100, 1024)
+MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class MeasurementTimeout(Exception):
+    """Raised inside a measurement when its time cap runs out."""
+
+
+@dataclass(slots=True)
+class Measurement:
+    name: str
+    fn: Callable[[SuiteContext], dict[str, Any]]
+    cap_s: float
+    needs_cuda: bool
+    description: str
+
+
+MEASUREMENTS: dict[str, Measurement] = {}
+
+
+def register(name: str, cap_s: float, needs_cuda: bool = False):
+    """Decorator: add `fn(ctx) -> dict` to the suite under `name`, interrupted after `cap_s` seconds."""
+    if cap_s <= 0:
+        raise ValueError(f"cap_s must be positive, got {cap_s}.")
+
+    def decorate(fn: Callable[[SuiteContext], dict[str, Any]]) -> Callable[[SuiteContext], dict[str, Any]]:
+        if name in MEASUREMENTS:
+            raise ValueError(f"a measurement named {name!r} is already registered.")
+        description = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        MEASUREMENTS[name] = Measurement(name, fn, cap_s, needs_cuda, description)
+        return fn
+
+    return decorate
+
+
+@dataclass
+class SuiteContext:
+    """What a measurement may use: the device, the sizes (smoke or real), the clock, and earlier results."""
+
+    device: torch.device
+    smoke: bool
+    work_dir: Path  # scratch space (the smoke model's config.json)
+    num_prompts: int
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # finished measurements, by name
+    partial: dict[str, Any] = field(default_factory=dict)  # the running measurement's results so far
+    deadline: float = math.inf  # time.perf_counter() at which the running measurement is cut off
+    _ceilings: DeviceCeilings | None = None
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def time_left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def ceilings(self) -> DeviceCeilings:
+        """The device's measured bandwidth and matmul rate, measured once per run."""
+        if self._ceilings is None:
+            self._ceilings = measure_device_ceilings(self.device, smoke=self.smoke)
+        return self._ceilings
+
+    def model_dir(self, config_name: str) -> str:
+        """A directory with the `config.json` of a shipped shape; in smoke mode, a tiny Qwen3 for every name."""
+        if not self.smoke:
+            return str(CONFIGS_DIR / config_name)
+        tiny = self.work_dir / "tiny-qwen3"
+        if not (tiny / "config.json").exists():
+            write_tiny_qwen3(tiny, weights=False)
+        return str(tiny)
+
+    def engine_args(self, model_dir: str, **overrides: Any) -> EngineArgs:
+        """nano_v1's engine arguments for a dummy-weight model on this device."""
+        kwargs: dict[str, Any] = {
+            "model": model_dir, "load_format": "dummy", "device": str(self.device), "seed": 0,
+            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        }
+        if self.smoke:
+            kwargs["kv_cache_memory_bytes"] = 64 << 20
+        kwargs.update(overrides)
+        return EngineArgs(**kwargs)
+
+
+# ---------------------------------------------------------------------------- measurements
+@register("ceilings", cap_s=15)
+def ceilings(ctx: SuiteContext) -> dict[str, Any]:
+    """Memory bandwidth (device-to-device copy) and matmul rate (bf16 on a GPU), measured."""
+    measured = ctx.ceilings()
+    out = measured.to_dict()
+    if ctx.on_cuda:
+        out["fraction_of_h200_datasheet"] = {
+            "memory_bandwidth": measured.memory_bandwidth / H200_DATASHEET.memory_bandwidth,
+            "matmul_flops": measured.matmul_flops / H200_DATASHEET.matmul_flops,
+        }
+    return out
+
+
+def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
+    """Engine-step latency of pure decode steps against batch size at a fixed context, beside its roofline floor.
+
+    For each batch size B, B requests with random prompts of `context_len` tokens are
+    prefilled, then `num_steps` decode steps are timed: the whole `LLMEngine.step()`
+    (schedule, model, update, output processing) and, inside it, the model runner's
+    `execute_model` alone. A batch size that would not finish before the cap is skipped.
+    """
+    from nano_v1 import LLM
+
+    batch_sizes = [1, 2, 4] if ctx.smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    context_len, num_steps = (32, 2) if ctx.smoke else (512, 20)
+    model_dir = ctx.model_dir(config_name)
+    shape = ModelShape.from_pretrained(model_dir)
+    max_model_len = context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 1
+    llm = LLM(**dataclasses.asdict(ctx.engine_args(
+        model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
+    )))
+    engine = llm.llm_engine
+    dtype_bytes = engine.engine_config.model_config.dtype.itemsize
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = ctx.partial.setdefault("rows", [])
+    ceilings = ctx.ceilings()
+
+    for batch_size in batch_sizes:
+        # Cheap insurance: the previous batch size's time, doubled, must still fit.
+        if rows and ctx.time_left() < 2 * rows[-1]["wall_s"]:
+            ctx.partial["truncated"] = f"stopped before batch size {batch_size}: the time cap was near"
+            break
+        start = time.perf_counter()
+        prompts = rng.integers(0, shape.vocab_size, (batch_size, context_len)).tolist()
+        step_s, runner_s = time_decode_steps(engine, prompts, num_steps)
+        # Mid-way through the timed steps a context is about context_len + 2 warm-up tokens + num_steps / 2.
+        floor_s = decode_step_cost(shape, batch_size, context_len + 2 + num_steps // 2, dtype_bytes).time_floor(ceilings)
+        step_ms, runner_ms = 1e3 * float(np.median(step_s)), 1e3 * float(np.median(runner_s))
+        rows.append({
+            "batch_size": batch_size,
+            "step_ms": step_ms,
+            "execute_model_ms": runner_ms,
+            "engine_overhead_ms": step_ms - runner_ms,
+            "roofline_floor_ms": 1e3 * floor_s,
+            "fraction_of_roofline": 1e3 * floor_s / step_ms,
+            "output_tokens_per_s": batch_size / (step_ms / 1e3),
+            "wall_s": time.perf_counter() - start,
+        })
+        print(f"  decode B={batch_size:>3}: step {step_ms:8.3f} ms (model runner {runner_ms:8.3f} ms), "
+              f"floor {1e3 * floor_s:7.3f} ms, {rows[-1]['fraction_of_roofline']:.1%} of roofline")
+    return {
+        "model": config_name if not ctx.smoke else "tiny Qwen3 (smoke)",
+        "context_len": context_len,
+        "num_timed_steps": num_steps,
+        "dtype": str(engine.engine_config.model_config.dtype).removeprefix("torch."),
+        "ceilings": ceilings.to_dict(),
+        **ctx.partial,
+    }
+
+
+def max_warm_up_steps(batch_size: int, context_len: int) -> int:
+    """Steps until a batch is all decoding, at most: each step's budget prefills at least
+    `budget - batch_size` prompt tokens (running requests' decodes are scheduled first), and
+    two pure decode steps in a row confirm that prefill is over."""
+    return math.ceil(batch_size * context_len / (MAX_NUM_BATCHED_TOKENS - batch_size)) + 2
+
+
+def time_decode_steps(engine, prompts: list[list[int]], num_steps: int) -> tuple[list[float], list[float]]:
+    """Add one request per prompt, step until all decode, then time `num_steps` steps.
+
+    Returns the seconds of each whole `LLMEngine.step()` and of the worker's `execute_model`
+    inside it; the requests are aborted afterwards. Raises if a timed step was not a pure
+    decode step of the whole batch.
+    """
+    from nano_v1 import SamplingParams
+
+    batch_size = len(prompts)
+    max_warm_up = max_warm_up_steps(batch_size, len(prompts[0]))
+    # A request prefilled in the first step decodes through every later step: enough tokens for all of them.
+    params = SamplingParams(temperature=0.0, max_tokens=max_warm_up + num_steps + 1, ignore_eos=True)
+    request_ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
+    for request_id, prompt in zip(request_ids, prompts):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
+    # The worker of the in-process engine core (InprocClient.engine_core): its execute_model
+    # is wrapped to time it and to see how many tokens each step scheduled.
+    worker = engine.engine_core.engine_core.model_executor
+    execute_model = worker.execute_model
+    step_s: list[float] = []
+    runner_s: list[float] = []
+    scheduled_tokens: list[int] = []
+
+    def timed_execute_model(scheduler_output):
+        t0 = time.perf_counter()
+        output = execute_model(scheduler_output)  # ends with the step's device -> host sync
+        runner_s.append(time.perf_counter() - t0)
+        scheduled_tokens.append(scheduler_output.total_num_scheduled_tokens)
+        return output
+
+    worker.execute_model = timed_execute_model
+    try:
+        for _ in range(max_warm_up):
+            engine.step()
+            if scheduled_tokens[-2:] == [batch_size, batch_size]:
+                break
+        runner_s.clear()
+        scheduled_tokens.clear()
+        for _ in range(num_steps):
+            t0 = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - t0)
+    finally:
+        del worker.execute_model  # back to the class's method
+        engine.abort_request(request_ids)
+    if scheduled_tokens != [batch_size] * num_steps:
+        raise RuntimeError(
+            f"batch size {batch_size}: the timed steps scheduled {scheduled_tokens} tokens, not {batch_size} "
+            "each: they were not all pure decode steps of the whole batch."
+        )
+    return step_s, runner_s
+
+
+@register("decode_latency", cap_s=45)
+def decode_latency(ctx: SuiteContext) -> dict[str, Any]:
+    """Decode-step latency vs batch size (1-256), Qwen3-0.6B shape, context 512, against the roofline."""
+    return decode_latency_sweep(ctx, "qwen3-0.6b")
+
+
+@register("decode_latency_qwen3_4b", cap_s=40, needs_cuda=True)
+def decode_latency_qwen3_4b(ctx: SuiteContext) -> dict[str, Any]:
+    """The same sweep at the Qwen3-4B shape (8 GB of weights per step: a second point on the roofline)."""
+    return decode_latency_sweep(ctx, "qwen3-4b")
+
+
+def throughput_workload(ctx: SuiteContext, vocab_size: int) -> tuple[list[BenchRequest], dict[str, Any]]:
+    """nano-vllm's workload (random prompts, lengths uniform in [100, 1024]); tiny in smoke mode.
+
+    The number of requests is `--num-prompts` (256), unless an earlier measurement in this
+    run already fixed it (both engines must run the same workload), or unless the decode
+    latencies measured in this run predict that nano_v1 would not finish within its cap,
+    in which case it is scaled down and the JSON says so.
+    """
+    if ctx.smoke:
+        lens, out_lens = (8, 32), (4, 8)
+    else:
+        lens = out_lens = LEN_RANGE
+    sizing: dict[str, Any] = {"num_prompts_requested": ctx.num_prompts}
+    earlier = ctx.results.get("throughput_qwen3_0.6b", {}).get("result", {}).get("workload")
+    num_prompts = earlier["num_prompts"] if earlier else ctx.num_prompts
+    decode = ctx.results.get("decode_latency", {}).get("result", {}).get("rows")
+    if earlier is None and decode and not ctx.smoke:
+        # Engine start-up and warm-up take about 20 s of the cap.
+        budget = 0.8 * (ctx.time_left() - 20.0)
+        while num_prompts > 16 and _predicted_seconds(num_prompts, lens, out_lens, decode) > budget:
+            num_prompts -= 16
+        if num_prompts < ctx.num_prompts:
+            sizing["scaled_down"] = (
+                f"{ctx.num_prompts} requests were predicted (from decode_latency) to take longer than the "
+                f"{budget:.0f} s left: ran {num_prompts}"
+            )
+    requests = sample_random_requests(num_prompts, lens, out_lens, vocab_size, seed=0)
+    return requests, {"num_prompts": num_prompts, "input_len_range": list(lens),
+                      "output_len_range": list(out_lens), "seed": 0, **sizing}
+
+
+def _predicted_seconds(num_prompts: int, lens: tuple[int, int], out_lens: tuple[int, int],
+                       decode_rows: list[dict[str, Any]]) -> float:
+    """A pessimistic time for nano_v1 on the workload, from measured decode-step times.
+
+    All requests run at once; decode step k has a batch of the requests with more than k
+    output tokens, and costs the measured step time at that batch (interpolated); each
+    prompt token is charged like a decode token of a full batch. Plus 25% for contexts
+    longer than the sweep's 512.
+    """
+    # Only the lengths matter here, and the same seed draws the same lengths at any vocabulary size.
+    requests = sample_random_requests(num_prompts, lens, out_lens, vocab_size=2, seed=0)
+    output_lens = np.array([r.output_len for r in requests])
+    batch = np.array([r["batch_size"] for r in decode_rows], dtype=float)
+    step_s = np.array([r["step_ms"] for r in decode_rows]) / 1e3
+    batch_per_step = (output_lens[None, :] > np.arange(1, output_lens.max())[:, None]).sum(axis=1)
+    decode_s = np.interp(batch_per_step, batch, step_s).sum()
+    full = min(num_prompts, int(batch.max()))
+    prefill_s = sum(r.prompt_len for r in requests) * np.interp(full, batch, step_s) / full
+    return 1.25 * float(decode_s + prefill_s)
+
+
+def _throughput_report(ctx: SuiteContext, engine: str, result, workload: dict[str, Any],
+                       requests: list[BenchRequest], engine_args: EngineArgs) -> dict[str, Any]:
+    """An engine's throughput with the workload's roofline: the fastest any engine could run it here."""
+    model_config = engine_args.create_engine_config().model_config
+    cost = workload_cost(ModelShape.from_config(model_config), [r.prompt_len for r in requests],
+                         [r.output_len for r in requests], MAX_NUM_BATCHED_TOKENS, model_config.dtype.itemsize)
+    floor_s = cost.time_floor(ctx.ceilings())
+    summary = result.summary(cost.total_flops)
+    return {
+        "engine": engine,
+        "workload": workload,
+        **summary,
+        "roofline": {**cost.summary(ctx.ceilings()), "output_tokens_per_s": summary["num_output_tokens"] / floor_s},
+        "fraction_of_roofline": floor_s / summary["elapsed_s"],
+    }
+
+
+@register("throughput_qwen3_0.6b", cap_s=110)
+def throughput_nano_v1(ctx: SuiteContext) -> dict[str, Any]:
+    """nano_v1 `LLM.generate` on nano-vllm's workload, Qwen3-0.6B shape, dummy weights, ignore_eos."""
+    model_dir = ctx.model_dir("qwen3-0.6b")
+    requests, workload = throughput_workload(ctx, ModelShape.from_pretrained(model_dir).vocab_size)
+    ctx.partial["workload"] = workload
+    engine_args = ctx.engine_args(model_dir, max_model_len=workload["input_len_range"][1] + workload["output_len_range"][1])
+    result = run_nano_v1(engine_args, requests)
+    return _throughput_report(ctx, "nano_v1", result, workload, requests, engine_args)
+
+
+@register("throughput_qwen3_0.6b.generate_batch", cap_s=120)
+def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
+    """transformers' continuous batching (`generate_batch`'s manager) on the same workload and shape."""
+    model_dir = ctx.model_dir("qwen3-0.6b")
+    requests, workload = throughput_workload(ctx, ModelShape.from_pretrained(model_dir).vocab_size)
+    ctx.partial["workload"] = workload
+    engine_args = ctx.engine_args(model_dir)
+    model = dummy_hf_model(model_dir, engine_args.create_engine_config().model_config.dtype, ctx.device)
+    result = run_generate_batch(model, requests, MAX_NUM_BATCHED_TOKENS, use_cuda_graph=True if ctx.on_cuda else None)
+    return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, engine_args)
+
+
+def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
+    """The transformers model of a config.json, randomly initialised directly on `device` (no checkpoint)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- the runner
+@contextmanager
+def _hard_time_cap(seconds: float) -> Iterator[None]:
+    """Raise MeasurementTimeout in this (main) thread after `seconds`; elsewhere rely on the elapsed-time check."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise MeasurementTimeout(f"exceeded its time cap of {seconds:.1f} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_measurement(measurement: Measurement, ctx: SuiteContext, cap_s: float) -> dict[str, Any]:
+    """Run one measurement under its cap; return its record (status ok | error | timed_out | skipped)."""
+    record: dict[str, Any] = {"description": measurement.description, "cap_s": cap_s}
+    if measurement.needs_cuda and not ctx.on_cuda:
+        return {**record, "status": "skipped", "reason": f"skipped: needs CUDA (this run is on {ctx.device.type})"}
+    print(f"[{measurement.name}] {measurement.description} (cap {cap_s:.1f} s)")
+    ctx.partial = {}
+    if ctx.on_cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    start = time.perf_counter()
+    ctx.deadline = start + cap_s
+    try:
+        with _hard_time_cap(cap_s):
+            result = measurement.fn(ctx)
+        status = "ok"
+    except MeasurementTimeout as e:
+        result, status = None, "timed_out"
+        record["error"] = str(e)
+    except Exception as e:  # noqa: BLE001 -- recorded, and the suite goes on to the next measurement
+        result, status = None, "error"
+        record.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+    wall_s = time.perf_counter() - start
+    if status == "ok" and wall_s > cap_s:
+        # The cap could not interrupt it (a long call outside Python): keep the result, flag the overrun.
+        status, record["error"] = "timed_out", f"finished in {wall_s:.1f} s, over its cap of {cap_s:.1f} s"
+    record.update(status=status, wall_s=wall_s)
+    if result is not None:
+        record["result"] = result
+    elif ctx.partial:
+        record["partial"] = ctx.partial
+    if ctx.on_cuda:
+        record["peak_memory_GiB"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    # Free this measurement's models and caches before the next one builds its own.
+    gc.collect()
+    if ctx.on_cuda:
+        torch.cuda.empty_cache()
+    return record
+
+
+def summarize(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The headline figures of GOALS.md's H200 row, from whichever measurements succeeded."""
+    ours = records.get("throughput_qwen3_0.6b", {})
+    peer = records.get("throughput_qwen3_0.6b.generate_batch", {})
+    summary: dict[str, Any] = {
+        "goals": {"output_tokens_per_s": 20_000, "ratio_vs_generate_batch": 3.0, "fraction_of_roofline": 0.5},
+    }
+    if ours.get("status") == "ok":
+        r = ours["result"]
+        summary.update(nano_v1_output_tokens_per_s=r["output_tokens_per_s"],
+                       nano_v1_fraction_of_roofline=r["fraction_of_roofline"],
+                       roofline_output_tokens_per_s=r["roofline"]["output_tokens_per_s"])
+        if peer.get("status") == "ok":
+            summary["ratio_vs_generate_batch"] = r["output_tokens_per_s"] / peer["result"]["output_tokens_per_s"]
+        elif peer.get("status") == "timed_out":
+            # The peer needed more than its wall time, so the ratio is at least this.
+            summary["ratio_vs_generate_batch_at_least"] = peer["wall_s"] / r["elapsed_s"]
+    decode = records.get("decode_latency", {}).get("result")
+    if decode:
+        summary["decode_fraction_of_roofline"] = {row["batch_size"]: row["fraction_of_roofline"] for row in decode["rows"]}
+    return summary
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """The device and the versions of the software stack that drives it."""
+    info: dict[str, Any] = {"type": device.type, "torch_cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                    total_memory_GiB=props.total_memory / 2**30, multiprocessors=props.multi_processor_count)
+    else:
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+class _Tee:
+    """A text stream that writes to a terminal stream and to the log file."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextmanager
+def _tee_output(log_path: Path) -> Iterator[None]:
+    """Copy everything printed to stdout and stderr into `log_path`."""
+    with open(log_path, "w") as log:
+        stdout, stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(stdout, log), _Tee(stderr, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = stdout, stderr
+
+
+def select(names: list[str] | None) -> list[Measurement]:
+    """The measurements to run: all, or those named (a name also selects `name.*`), in registration order."""
+    if not names:
+        return list(MEASUREMENTS.values())
+    unknown = [n for n in names if not any(m == n or m.startswith(n + ".") for m in MEASUREMENTS)]
+    if unknown:
+        raise ValueError(f"unknown measurement(s) {unknown}; registered: {list(MEASUREMENTS)}.")
+    return [m for m in MEASUREMENTS.values() if any(m.name == n or m.name.startswith(n + ".") for n in names)]
+
+
+def run_suite(out_dir: str | Path, smoke: bool = False, only: list[str] | None = None,
+              time_budget_s: float | None = None, num_prompts: int | None = None) -> dict[str, Any]:
+    """Run the selected measurements one after another; write and return the report."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not smoke:
+        raise ValueError("no CUDA device: the real sizes need a GPU. Run with --smoke for the CPU check.")
+    measurements = select(only)
+    budget = time_budget_s or (SMOKE_TIME_BUDGET_S if smoke else DEFAULT_TIME_BUDGET_S)
+    report: dict[str, Any] = {
+        "benchmark": NAME, "smoke": smoke, "device": device_info(device), "time_budget_s": budget,
+        "python": platform.python_version(), "measurements": {},
+    }
+    json_path = out_dir / f"{NAME}.json"
+    num_threads = torch.get_num_threads()
+    if smoke and device.type == "cpu":
+        # Smoke numbers are not measurements; one thread keeps the check fast on a shared CPU,
+        # where intra-op threads that wait on each other can make a step 20x slower.
+        torch.set_num_threads(1)
+    try:
+        with _tee_output(out_dir / f"{NAME}.log"), tempfile.TemporaryDirectory(prefix="nano_v1_gpu_") as work:
+            ctx = SuiteContext(device=device, smoke=smoke, work_dir=Path(work),
+                               num_prompts=num_prompts or (4 if smoke else NUM_PROMPTS))
+            print(f"gpu_suite on {report['device']['name']} ({device}), smoke={smoke}, budget {budget:.0f} s: "
+                  f"{[m.name for m in measurements]}")
+            _run_all(measurements, ctx, budget, report, json_path)
+    finally:
+        torch.set_num_threads(num_threads)
+    return report
+
+
+def _run_all(measurements: list[Measurement], ctx: SuiteContext, budget: float, report: dict[str, Any],
+             json_path: Path) -> None:
+    """Each measurement under min(its cap, what is left of the budget); the JSON rewritten after each."""
+    suite_start = time.perf_counter()
+    for m in measurements:
+        left = budget - (time.perf_counter() - suite_start)
+        if left < 1.0:
+            record = {"description": m.description, "cap_s": m.cap_s, "status": "skipped",
+                      "reason": "skipped: the suite's time budget is spent"}
+        else:
+            record = run_measurement(m, ctx, min(m.cap_s, left))
+        ctx.results[m.name] = record
+        report["measurements"][m.name] = record
+        done = record.get("reason") or f"{record['status']} in {record['wall_s']:.1f} s"
+        print(f"[{m.name}] {done}" + (f": {record['error']}" if "error" in record else ""))
+        report["summary"] = summarize(report["measurements"])
+        report["total_wall_s"] = time.perf_counter() - suite_start
+        write_json(json_path, report)  # after every measurement: a run cut short keeps what it did
+    print(json.dumps(report.get("summary"), indent=2))
+    print(f"wrote {json_path} in {report.get('total_wall_s', 0.0):.1f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nano_v1.benchmarks.gpu_suite",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="directory for gpu_suite.json and gpu_suite.log (required unless --list)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs anywhere in under a minute")
+    parser.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                        help="run only these measurements (NAME also selects NAME.*)")
+    parser.add_argument("--time-cap-s", type=float, default=None,
+                        help=f"time budget of the whole suite (default {DEFAULT_TIME_BUDGET_S:.0f} s, "
+                             f"{SMOKE_TIME_BUDGET_S:.0f} s with --smoke); each measurement also has its own cap")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"requests of the throughput workload (default {NUM_PROMPTS}; 4 with --smoke)")
+    parser.add_argument("--list", action="store_true", help="list the measurements and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MEASUREMENTS.values():
+            print(f"{m.name:<40} cap {m.cap_s:>4.0f} s{'  (CUDA)' if m.needs_cuda else '':<9} {m.description}")
+        return
+    if args.out is None:
+        parser.error("--out is required")
+    try:
+        run_suite(args.out, args.smoke, args.only, args.time_cap_s, args.num_prompts)
+    except ValueError as e:
+        print(f"gpu_suite: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""What every notebook shares: the size switch, the device, where figures go, and recorded GPU results.
+
+Mirrors no vLLM file (vLLM has no notebooks); used by notebooks/00-05 (chapter 00).
+
+Why it exists: each notebook runs in three settings, and all of them must leave a record
+that says where its numbers came from:
+  - default, on a CPU: small sizes, a few minutes on a laptop; figures/NN_*.png and
+    figures/data/NN_*.json are the committed results;
+  - default, on a GPU: the full sizes, same files;
+  - smoke (`NANO_V1_SMOKE=1`): every size shrunk so the whole set executes in CI through
+    a real Jupyter kernel in seconds. Smoke runs must not overwrite the committed
+    results, so they write to `$NANO_V1_FIGURES_DIR` if set, else to
+    `<tmp>/nano_v1_smoke_figures/` (same file names, `"smoke": true` inside the JSON).
+A measurement that needs a GPU falls back, on a CPU, to the latest recorded GPU run in
+figures/data/ (`nano_v1/benchmarks/ledger.py`), labelled with its device and date.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nano_v1.benchmarks.ledger import LEDGER_DIR, latest_gpu_results
+from nano_v1.benchmarks.utils import environment, write_json
+
+SMOKE = os.environ.get("NANO_V1_SMOKE") == "1"
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# CPU threads for torch in the notebooks (NANO_V1_THREADS overrides). One by default: on a
+# shared machine, two OpenMP threads that spin-wait for a busy core made a 256^3 matmul
+# 15x slower than one thread, and the models here are too small to gain from more.
+CPU_THREADS = int(os.environ.get("NANO_V1_THREADS", "1"))
+
+
+def set_threads() -> int:
+    """Give torch `CPU_THREADS` threads (CPU runs only); return the number in use."""
+    if not ON_GPU:
+        torch.set_num_threads(CPU_THREADS)
+    return torch.get_num_threads()
+
+
+def pick(cpu: Any, gpu: Any, smoke: Any) -> Any:
+    """The size for this run: `smoke` under NANO_V1_SMOKE=1, else `gpu` on CUDA, else `cpu`."""
+    return smoke if SMOKE else gpu if ON_GPU else cpu
+
+
+def figures_dir() -> Path:
+    """figures/ of the checkout; in smoke mode `$NANO_V1_FIGURES_DIR` or a temporary directory."""
+    if not SMOKE:
+        return LEDGER_DIR.parent
+    return Path(os.environ.get("NANO_V1_FIGURES_DIR") or Path(tempfile.gettempdir()) / "nano_v1_smoke_figures")
+
+
+def save_figure(fig, name: str) -> Path:
+    """Write `fig` to <figures>/<name>.png and return the path."""
+    path = figures_dir() / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def save_data(name: str, results: dict[str, Any]) -> Path:
+    """Write <figures>/data/<name>.json: `results` plus date, device, versions and the smoke flag."""
+    path = figures_dir() / "data" / f"{name}.json"
+    write_json(path, {"notebook": name, "smoke": SMOKE, **results})
+    return path
+
+
+def device_label(env: dict[str, Any] | None = None) -> str:
+    """'2-core CPU (AMD EPYC ...), 2026-11-30' or 'NVIDIA H200, 2026-11-30', for plot titles and prose."""
+    env = env or environment()
+    device = env["device"]
+    if "cuda" not in device.lower() and "nvidia" not in device.lower():
+        device = f"{env['cpu_count']}-core CPU ({device})"
+    return f"{device}, {env['date'][:10]}"
+
+
+def recorded_gpu_results(measurement: str) -> tuple[dict[str, Any], str] | None:
+    """The latest recorded GPU run's result of `measurement` (a gpu_suite name) and its label, or None."""
+    record = latest_gpu_results("gpu_suite")
+    if record is None:
+        return None
+    result = record.get("measurements", {}).get(measurement, {}).get("result")
+    if not result:
+        return None
+    return result, f"recorded: {device_label(record['environment'])} ({record['ledger_file']})"

@@ -1,0 +1,315 @@
+"""Offline throughput: output tokens/s of `LLM.generate` against transformers, same process, same workload.
+
+Mirrors vllm/benchmarks/throughput.py (chapter 00).
+
+Why it exists: "how many tokens per second" is the number an inference engine is for, and
+it only means something next to a peer measured on the same model, workload and machine
+a minute apart. The workload is vLLM's random dataset: prompts of random token ids, every
+request generating exactly its `output_len` tokens (`ignore_eos`), lengths uniform in a
+range. Peers, run on the same weights:
+  - `generate_batch`: transformers' continuous batching. `generate_batch` takes one
+    `max_new_tokens` for all requests, so we drive the manager it wraps
+    (`continuous_batching_context_manager` + `add_request`) to give each request its own
+    length; that loop is `generate_batch`'s own body. Needs transformers >= 5.
+  - `generate`: classic padded `generate`, left-padded batches of `--hf-max-batch-size`;
+    every row runs to the batch's longest output, but only requested tokens are counted
+    (as vLLM's `hf` backend does).
+All three decode greedily. Without `--model`, a random Qwen3 of GOALS.md's shape is written
+to a temporary directory (`utils.TINY_QWEN3_SHAPE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+from typing import Any
+
+import torch
+
+from nano_v1.benchmarks.utils import (
+    BenchRequest,
+    length_range,
+    run_on_model,
+    sample_random_requests,
+    write_json,
+)
+from nano_v1.config import EngineArgs, EngineConfig
+
+NAME = "throughput"
+USES_ENGINE_ARGS = True
+PEERS = ("generate_batch", "generate")
+# GOALS.md's workload: 48 requests, prompts of 32-256 tokens, 48 output tokens each.
+DEFAULT_NUM_PROMPTS = 48
+DEFAULT_INPUT_LEN_RANGE = (32, 256)
+DEFAULT_OUTPUT_LEN = 48
+# generate_batch's step size on CPU: the fastest of 512, 2048 and 8192 tokens on the 2-core
+# CPU (its SDPA path fills a mask per step that grows with the step size); its own default,
+# sized from free memory, was slower still.
+CPU_HF_MAX_BATCH_TOKENS = 512
+
+
+@dataclasses.dataclass(slots=True)
+class RunResult:
+    """One engine's timed pass over the workload."""
+
+    elapsed_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    def summary(self, flops: float) -> dict[str, float]:
+        return {
+            "elapsed_s": self.elapsed_s,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "output_tokens_per_s": self.num_output_tokens / self.elapsed_s,
+            "total_tokens_per_s": (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s,
+            "gflops_per_s": flops / self.elapsed_s / 1e9,
+        }
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="number of requests")
+    parser.add_argument("--input-len", type=int, default=None, help="prompt length (vLLM's flag)")
+    parser.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN, help="output length (vLLM's flag)")
+    parser.add_argument(
+        "--random-range-ratio", type=float, default=0.0,
+        help="draw lengths from [len*(1-r), len*(1+r)] (vLLM's flag; applies to --input-len and --output-len)",
+    )
+    parser.add_argument(
+        "--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+        help=f"prompt lengths uniform in [LO, HI]; default {DEFAULT_INPUT_LEN_RANGE} unless --input-len is given",
+    )
+    parser.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                        help="output lengths uniform in [LO, HI] (overrides --output-len)")
+    parser.add_argument("--peers", choices=("none", *PEERS, "all"), default="all",
+                        help="which transformers baselines to run beside nano_v1")
+    parser.add_argument("--hf-max-batch-size", type=int, default=None,
+                        help="batch size of padded generate (default: all prompts in one batch)")
+    parser.add_argument(
+        "--hf-max-batch-tokens", type=int, default=None,
+        help=f"tokens per step of generate_batch (default: {CPU_HF_MAX_BATCH_TOKENS} on CPU, "
+        "transformers' own choice on CUDA)",
+    )
+    parser.add_argument("--output-json", type=str, default=None, help="write the results here")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark from parsed CLI flags; print a table, write JSON, return the results."""
+    return run_on_model(args, run)
+
+
+def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    engine_config = engine_args.create_engine_config()
+    model_config = engine_config.model_config
+    input_explicit = args.input_len_range or (DEFAULT_INPUT_LEN_RANGE if args.input_len is None else None)
+    input_range = length_range(args.input_len, args.random_range_ratio, input_explicit)
+    output_range = length_range(args.output_len, args.random_range_ratio, args.output_len_range)
+    if input_range[1] + output_range[1] > model_config.max_model_len:
+        raise ValueError(
+            f"the longest request ({input_range[1]} + {output_range[1]} tokens) exceeds max_model_len "
+            f"({model_config.max_model_len})."
+        )
+    requests = sample_random_requests(
+        args.num_prompts, input_range, output_range, model_config.get_vocab_size(), engine_args.seed
+    )
+    flops = workload_flops(engine_config, requests)
+    peers = {"none": (), "all": PEERS}.get(args.peers, (args.peers,))
+
+    results: dict[str, RunResult] = {"nano_v1": run_nano_v1(engine_args, requests)}
+    device = engine_config.device_config.device
+    if device.startswith("cuda"):
+        # nano_v1's engine is out of scope; collect it so its KV cache memory goes to the peers.
+        gc.collect()
+        torch.cuda.empty_cache()
+    if peers:
+        model = load_hf_model(engine_config)
+        if "generate_batch" in peers:
+            max_batch_tokens = args.hf_max_batch_tokens or (CPU_HF_MAX_BATCH_TOKENS if device == "cpu" else None)
+            results["generate_batch"] = run_generate_batch(model, requests, max_batch_tokens)
+        if "generate" in peers:
+            results["generate"] = run_generate(model, requests, args.hf_max_batch_size or len(requests))
+
+    summaries = {name: r.summary(flops) for name, r in results.items()}
+    ours = summaries["nano_v1"]["output_tokens_per_s"]
+    ratios = {f"nano_v1/{p}": ours / summaries[p]["output_tokens_per_s"] for p in peers}
+    report = {
+        "benchmark": NAME,
+        "model": args.model or "random tiny Qwen3 (nano_v1.benchmarks.utils.TINY_QWEN3_SHAPE)",
+        "workload": {
+            "num_prompts": len(requests),
+            "input_len_range": list(input_range),
+            "output_len_range": list(output_range),
+            "seed": engine_args.seed,
+            "flops": flops,
+        },
+        "engine_args": {k: str(v) for k, v in dataclasses.asdict(engine_args).items()},
+        "results": summaries,
+        "ratios": ratios,
+    }
+    print_table(report)
+    if args.output_json:
+        write_json(args.output_json, report)
+    return report
+
+
+def workload_flops(engine_config: EngineConfig, requests: list[BenchRequest]) -> float:
+    """Matmul FLOPs the workload needs at least: 2 x weights per token, plus the LM head per sampled token.
+
+    This is the compute floor every engine pays; attention over the context comes on top
+    (small for these lengths) and is left out. Dividing by the time gives achieved GFLOP/s,
+    which on a CPU says how far each engine is from the machine's matmul rate.
+    """
+    mc = engine_config.model_config
+    hidden, head = mc.get_hidden_size(), mc.get_head_size()
+    q_size, kv_size = mc.get_num_attention_heads() * head, mc.get_num_kv_heads() * head
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * mc.hf_config.intermediate_size
+    num_tokens = sum(r.prompt_len + r.output_len - 1 for r in requests)  # the last token is never fed back
+    num_sampled = sum(r.output_len for r in requests)
+    return 2.0 * (mc.get_num_layers() * per_layer * num_tokens + hidden * mc.get_vocab_size() * num_sampled)
+
+
+def run_nano_v1(engine_args: EngineArgs, requests: list[BenchRequest]) -> RunResult:
+    """Time `LLM.generate` over the whole workload, after a short warm-up pass."""
+    from nano_v1 import LLM, SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_args))
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    _check_lengths("nano_v1", lengths, requests)
+    return RunResult(elapsed, sum(len(o.prompt_token_ids) for o in outputs), sum(lengths))
+
+
+def load_hf_model(engine_config: EngineConfig):
+    """The same checkpoint through transformers, on nano_v1's device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model_config = engine_config.model_config
+    model = AutoModelForCausalLM.from_pretrained(model_config.model, dtype=model_config.dtype)
+    return model.to(engine_config.device_config.device).eval()
+
+
+def _greedy_config(max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    # eos_token_id=[]: no token ends a sequence (`ignore_eos`), so lengths are exact.
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+
+
+@torch.inference_mode()
+def run_generate_batch(
+    model, requests: list[BenchRequest], max_batch_tokens: int | None, use_cuda_graph: bool | None = None
+) -> RunResult:
+    """transformers' continuous batching, each request with its own `max_new_tokens`.
+
+    The KV cache is sized to hold the whole workload at once, as nano_v1's is on CPU; left
+    to itself, transformers sizes it from the host's free memory and spends seconds
+    filling a cache hundreds of times too large.
+    """
+    try:
+        from transformers import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError as e:
+        raise ValueError("the generate_batch peer needs transformers >= 5; use --peers generate or none.") from e
+
+    page_size = 256
+    # The KV page size is `page_size` in recent transformers and `block_size` in older 5.x.
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in fields else "block_size"
+    cb_config = ContinuousBatchingConfig(
+        **{page_field: page_size},
+        num_blocks=sum(-(-(r.prompt_len + r.output_len) // page_size) for r in requests),
+        max_batch_tokens=max_batch_tokens,
+        use_cuda_graph=use_cuda_graph,
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(r.prompt_len for r in requests),
+        max_generated_length=max(r.output_len for r in requests),
+        num_requests=len(requests),
+    )
+
+    def generate(batch: list[BenchRequest]) -> tuple[list[int], float]:
+        """Output lengths, and seconds from the first request in to the last result out
+        (the manager's start-up, graph capture included, and its shutdown are not timed)."""
+        config = _greedy_config(max(r.output_len for r in batch))
+        lengths: dict[str, int] = {}
+        with model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints, block=True
+        ) as manager:
+            start = time.perf_counter()
+            for i, r in enumerate(batch):
+                manager.add_request(r.prompt_token_ids, request_id=f"req_{i}", max_new_tokens=r.output_len)
+            while len(lengths) < len(batch):
+                result = manager.get_result(timeout=1)
+                if result is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped before finishing.")
+                if result is not None and result.is_finished():
+                    lengths[result.request_id] = len(result.generated_tokens)
+            elapsed = time.perf_counter() - start
+        return [lengths[f"req_{i}"] for i in range(len(batch))], elapsed
+
+    generate(requests[:2])  # warm-up
+    lengths, elapsed = generate(requests)
+    _check_lengths("generate_batch", lengths, requests)
+    return RunResult(elapsed, sum(r.prompt_len for r in requests), sum(lengths))
+
+
+@torch.inference_mode()
+def run_generate(model, requests: list[BenchRequest], max_batch_size: int) -> RunResult:
+    """Padded `generate`: static batches, left padding, every row runs to the batch's longest output."""
+    if max_batch_size <= 0:
+        raise ValueError(f"--hf-max-batch-size must be positive, got {max_batch_size}.")
+    device = model.device
+
+    def generate(batch: list[BenchRequest]) -> None:
+        width = max(r.prompt_len for r in batch)
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)  # pad id 0
+        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, r in enumerate(batch):
+            input_ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
+            attention_mask[row, width - r.prompt_len :] = 1
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=_greedy_config(max(r.output_len for r in batch)),
+        )
+        assert out.shape[1] == width + max(r.output_len for r in batch)
+
+    generate(requests[:2])  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(requests), max_batch_size):
+        generate(requests[i : i + max_batch_size])
+    elapsed = time.perf_counter() - start
+    return RunResult(elapsed, sum(r.prompt_len for r in requests), sum(r.output_len for r in requests))
+
+
+def _check_lengths(engine: str, lengths: list[int], requests: list[BenchRequest]) -> None:
+    wrong = [i for i, (n, r) in enumerate(zip(lengths, requests)) if n != r.output_len]
+    if wrong:
+        i = wrong[0]
+        raise RuntimeError(
+            f"{engine} generated {lengths[i]} tokens for request {i}, which asked for {requests[i].output_len}: "
+            "the workload was not run as specified."
+        )
+
+
+def print_table(report: dict[str, Any]) -> None:
+    w = report["workload"]
+    print(
+        f"{w['num_prompts']} requests, prompts {w['input_len_range'][0]}-{w['input_len_range'][1]} tokens, "
+        f"outputs {w['output_len_range'][0]}-{w['output_len_range'][1]} tokens; {report['model']}"
+    )
+    print(f"{'engine':<16}{'time (s)':>10}{'output tok/s':>14}{'total tok/s':>13}{'GFLOP/s':>9}")
+    for name, s in report["results"].items():
+        print(
+            f"{name:<16}{s['elapsed_s']:>10.2f}{s['output_tokens_per_s']:>14.1f}"
+            f"{s['total_tokens_per_s']:>13.1f}{s['gflops_per_s']:>9.2f}"
+        )
+    for name, ratio in report["ratios"].items():
+        print(f"{name}: {ratio:.2f}x output tokens/s")

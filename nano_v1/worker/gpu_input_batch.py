@@ -1,0 +1,276 @@
+"""Persistent input batch: per-request state kept in preallocated columns between steps.
+
+Mirrors vllm/v1/worker/gpu_input_batch.py (chapter 05).
+
+Why it exists: rebuilding the batch every step costs O(batch x context) Python work;
+keeping each request in a fixed row of preallocated arrays and applying only the
+scheduler's diff (a new request, a finished one, a few new block ids) costs
+O(changes). Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
+`[:num_reqs]` and handed to numpy or copied to the device in one piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nano_v1.sample.metadata import SamplingMetadata
+from nano_v1.sampling_params import SamplingParams
+from nano_v1.worker.block_table import BlockTable, CpuGpuBuffer
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner remembers about a request, in or out of the persistent batch.
+
+    A preempted request leaves the batch but keeps this record, so that when it resumes
+    its prompt, sampled tokens and generator are still here; only its blocks are new.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # set for seeded requests only
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    """Up to `max_num_reqs` requests, row-aligned across every column below.
+
+    Invariant after `condense`: rows `0 .. num_reqs-1` are occupied, and
+    `req_ids[i]`, `token_ids_cpu[i]`, `num_computed_tokens_cpu[i]`, block table row i and
+    every sampling column at i describe the same request.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        device: torch.device,
+        pin_memory: bool,
+        vocab_size: int,
+        block_size: int,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+
+        # Row -> request id; None marks a hole left by remove_request until condense().
+        self._req_ids: list[str | None] = []
+        self.req_id_to_index: dict[str, int] = {}
+
+        # Every token of every request (prompt, then sampled). Never copied to the device
+        # whole: the runner gathers just this step's tokens out of it.
+        self.token_ids_cpu_tensor = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32)
+        self.token_ids_cpu = self.token_ids_cpu_tensor.numpy()
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens_cpu_tensor = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self.num_computed_tokens_cpu = self.num_computed_tokens_cpu_tensor.numpy()
+
+        self.block_table = BlockTable(
+            block_size=block_size,
+            max_num_reqs=max_num_reqs,
+            max_num_blocks_per_req=-(-max_model_len // block_size),
+            max_num_batched_tokens=max_num_batched_tokens,
+            pin_memory=pin_memory,
+            device=device,
+        )
+
+        # Sampling columns, and the sets that let the sampler skip work nobody asked for.
+        self.temperature = CpuGpuBuffer(
+            max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory
+        )
+        self.top_p = CpuGpuBuffer(max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory)
+        self.top_k = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device, pin_memory=pin_memory)
+        self.greedy_reqs: set[str] = set()
+        self.random_reqs: set[str] = set()
+        self.top_p_reqs: set[str] = set()
+        self.top_k_reqs: set[str] = set()
+        # Row -> generator, for seeded requests only.
+        self.generators: dict[int, torch.Generator] = {}
+        # Request id -> number of top logprobs it wants.
+        self.num_logprobs: dict[str, int] = {}
+
+        # The per-row numpy columns, moved and swapped together with the request.
+        self._columns: list[np.ndarray] = [
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens_cpu,
+            self.temperature.np,
+            self.top_p.np,
+            self.top_k.np,
+        ]
+        self.sampling_metadata = self._make_sampling_metadata()
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def req_ids(self) -> list[str]:
+        """Request id of each row (dense after condense())."""
+        return self._req_ids  # type: ignore[return-value]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, request: CachedRequestState, req_index: int | None = None) -> int:
+        """Write `request` into row `req_index` (a hole) or, when None, a new last row."""
+        if req_index is None:
+            req_index = len(self._req_ids)
+            assert req_index < self.max_num_reqs, "persistent batch is full"
+            self._req_ids.append(request.req_id)
+        else:
+            assert self._req_ids[req_index] is None, f"row {req_index} is occupied"
+            self._req_ids[req_index] = request.req_id
+        req_id = request.req_id
+        self.req_id_to_index[req_id] = req_index
+
+        num_prompt_tokens = request.num_prompt_tokens
+        num_tokens = request.num_tokens
+        row = self.token_ids_cpu[req_index]
+        row[:num_prompt_tokens] = request.prompt_token_ids
+        row[num_prompt_tokens:num_tokens] = request.output_token_ids
+        self.num_prompt_tokens[req_index] = num_prompt_tokens
+        self.num_tokens[req_index] = num_tokens
+        self.num_computed_tokens_cpu[req_index] = request.num_computed_tokens
+        self.block_table.add_row(request.block_ids, req_index)
+
+        params = request.sampling_params
+        if params.greedy:
+            self.temperature.np[req_index] = 0.0
+            self.greedy_reqs.add(req_id)
+        else:
+            self.temperature.np[req_index] = params.temperature
+            self.random_reqs.add(req_id)
+        self.top_p.np[req_index] = params.top_p
+        if params.top_p < 1.0:
+            self.top_p_reqs.add(req_id)
+        # top_k == vocab_size keeps every token, so "no top-k" is stored as that.
+        if 0 < params.top_k < self.vocab_size:
+            self.top_k.np[req_index] = params.top_k
+            self.top_k_reqs.add(req_id)
+        else:
+            self.top_k.np[req_index] = self.vocab_size
+        if request.generator is not None:
+            self.generators[req_index] = request.generator
+        if params.logprobs is not None:
+            # Asking for more than the vocabulary returns the whole vocabulary.
+            self.num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
+        return req_index
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Leave a hole where `req_id` was; return its row (None if it was not here).
+
+        Must be followed by add_request into the hole or by condense().
+        """
+        req_index = self.req_id_to_index.pop(req_id, None)
+        if req_index is None:
+            return None
+        self._req_ids[req_index] = None
+        self.greedy_reqs.discard(req_id)
+        self.random_reqs.discard(req_id)
+        self.top_p_reqs.discard(req_id)
+        self.top_k_reqs.discard(req_id)
+        self.generators.pop(req_index, None)
+        self.num_logprobs.pop(req_id, None)
+        return req_index
+
+    def swap_states(self, i1: int, i2: int) -> None:
+        """Exchange the requests in rows i1 and i2 (used to reorder the batch)."""
+        id1, id2 = self._req_ids[i1], self._req_ids[i2]
+        assert id1 is not None and id2 is not None
+        self._req_ids[i1], self._req_ids[i2] = id2, id1
+        self.req_id_to_index[id1], self.req_id_to_index[id2] = i2, i1
+        n = max(self.num_tokens[i1], self.num_tokens[i2])
+        # Fancy indexing on the right makes a copy, so the two rows do not clobber each other.
+        self.token_ids_cpu[[i1, i2], :n] = self.token_ids_cpu[[i2, i1], :n]
+        for column in self._columns:
+            column[[i1, i2]] = column[[i2, i1]]
+        self.block_table.swap_row(i1, i2)
+        g1, g2 = self.generators.pop(i1, None), self.generators.pop(i2, None)
+        if g1 is not None:
+            self.generators[i2] = g1
+        if g2 is not None:
+            self.generators[i1] = g2
+
+    def condense(self, empty_req_indices: list[int]) -> None:
+        """Close the holes left by remove_request: move the last row into the lowest hole.
+
+        Moving the last row (rather than shifting everything down) touches one row per
+        hole, so the cost is O(holes x row length), independent of the batch size.
+        """
+        for hole in sorted(empty_req_indices):
+            self._trim_trailing_holes()
+            if hole >= len(self._req_ids):
+                break  # every remaining hole was at the end
+            self._move_request(len(self._req_ids) - 1, hole)
+        self._trim_trailing_holes()
+        assert len(self._req_ids) == self.num_reqs, "condense left a hole"
+
+    def _trim_trailing_holes(self) -> None:
+        while self._req_ids and self._req_ids[-1] is None:
+            self._req_ids.pop()
+
+    def _move_request(self, src: int, tgt: int) -> None:
+        req_id = self._req_ids[src]
+        assert req_id is not None and self._req_ids[tgt] is None
+        self._req_ids[tgt], self._req_ids[src] = req_id, None
+        self.req_id_to_index[req_id] = tgt
+        n = self.num_tokens[src]
+        self.token_ids_cpu[tgt, :n] = self.token_ids_cpu[src, :n]
+        for column in self._columns:
+            column[tgt] = column[src]
+        self.block_table.move_row(src, tgt)
+        generator = self.generators.pop(src, None)
+        if generator is not None:
+            self.generators[tgt] = generator
+
+    # ------------------------------------------------------------------ sampling
+    @property
+    def all_greedy(self) -> bool:
+        return not self.random_reqs
+
+    @property
+    def all_random(self) -> bool:
+        return not self.greedy_reqs
+
+    @property
+    def no_top_p(self) -> bool:
+        return not self.top_p_reqs
+
+    @property
+    def no_top_k(self) -> bool:
+        return not self.top_k_reqs
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        return max(self.num_logprobs.values()) if self.num_logprobs else None
+
+    def refresh_sampling_metadata(self) -> None:
+        """Rebuild the sampling metadata; call after the batch's membership changed."""
+        self.sampling_metadata = self._make_sampling_metadata()
+
+    def _make_sampling_metadata(self) -> SamplingMetadata:
+        num_reqs = self.num_reqs
+        # Columns nobody uses are not copied to the device at all.
+        return SamplingMetadata(
+            temperature=None if self.all_greedy else self.temperature.copy_to_gpu(num_reqs),
+            all_greedy=self.all_greedy,
+            all_random=self.all_random,
+            top_p=None if self.no_top_p else self.top_p.copy_to_gpu(num_reqs),
+            top_k=None if self.no_top_k else self.top_k.copy_to_gpu(num_reqs),
+            generators=self.generators,
+            max_num_logprobs=self.max_num_logprobs,
+        )

@@ -1,0 +1,356 @@
+"""The model runner: scheduler output in, one forward pass and one sample per request out.
+
+Mirrors vllm/v1/worker/gpu_model_runner.py (chapter 05).
+
+Why it is shaped this way: a step's inputs are a flat, ragged batch (every scheduled
+token of every request, back to back), and nearly all of it is already known from the
+previous step. So the runner (1) applies the scheduler's diff to the persistent batch
+(`_update_states`), (2) derives the flat input ids, positions, cache slots and attention
+metadata from it with a few vectorised numpy ops (`_prepare_inputs`), (3) runs the model
+and samples at each request's last scheduled token (`execute_model`), and (4) writes the
+sampled tokens back into the persistent batch itself, so they never travel through the
+scheduler again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from nano_v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+from nano_v1.attention.backends.utils import CommonAttentionMetadata
+from nano_v1.attention.layer import Attention
+from nano_v1.config import EngineConfig
+from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.forward_context import set_forward_context
+from nano_v1.model_executor.model_loader import get_model
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from nano_v1.sample.metadata import SamplingMetadata
+from nano_v1.sample.sampler import Sampler, SamplerOutput
+from nano_v1.worker.block_table import CpuGpuBuffer
+from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+
+class GPUModelRunner:
+    """Owns the model, its KV cache tensors, the persistent batch and the per-step buffers.
+
+    Constructing it loads nothing; `load_model()` and `initialize_kv_cache()` do, so the
+    input preparation can be exercised (and tested) without weights.
+    """
+
+    def __init__(self, engine_config: EngineConfig, device: torch.device) -> None:
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.device = device
+        self.dtype = self.model_config.dtype
+        self.pin_memory = device.type == "cuda"
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
+        self.max_num_reqs = self.scheduler_config.max_num_seqs
+        self.block_size = self.cache_config.block_size
+
+        self.model: nn.Module | None = None
+        self.attn_layers: dict[str, Attention] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.attn_metadata_builder = FlashAttentionMetadataBuilder(device)
+        self.sampler = Sampler()
+
+        # Every request the runner knows, in the batch or preempted; dropped when finished.
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=device,
+            pin_memory=self.pin_memory,
+            vocab_size=self.model_config.get_vocab_size(),
+            block_size=self.block_size,
+        )
+
+        # Per-step buffers, allocated once at their largest size and sliced each step.
+        def buffer(size: int, dtype: torch.dtype) -> CpuGpuBuffer:
+            return CpuGpuBuffer(size, dtype=dtype, device=device, pin_memory=self.pin_memory)
+
+        self.input_ids = buffer(self.max_num_tokens, torch.int64)
+        self.positions = buffer(self.max_num_tokens, torch.int64)
+        self.query_start_loc = buffer(self.max_num_reqs + 1, torch.int32)
+        self.seq_lens = buffer(self.max_num_reqs, torch.int32)
+        # 0, 1, 2, ... once, so that per-step aranges are slices rather than allocations.
+        self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens))
+
+    # ------------------------------------------------------------------ model and cache
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.device)
+        self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return FlashAttentionBackend.get_kv_cache_shape(
+            num_blocks,
+            self.block_size,
+            self.model_config.get_num_kv_heads(),
+            self.model_config.get_head_size(),
+        )
+
+    def get_kv_cache_page_size(self) -> int:
+        """Bytes that one KV block takes summed over every attention layer (vLLM: page_size_bytes)."""
+        assert self.attn_layers, "load_model() first: the page size counts the model's attention layers"
+        per_layer = math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
+        return per_layer * len(self.attn_layers)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
+        shape = self._kv_cache_shape(num_blocks)
+        self.kv_caches = []
+        for layer in self.attn_layers.values():
+            # Zeros, not empty: a never-written slot must not hold NaNs that a masked
+            # attention weight of 0 could still turn into NaN (0 * NaN).
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append(layer.kv_cache)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Run the largest step the scheduler can send, without a KV cache, to measure peak memory.
+
+        A forward over `max_num_batched_tokens` tokens (attention metadata None: the
+        layers attend within the batch and write no cache), then logits and a sample
+        with top-k and top-p for `max_num_seqs` rows, the sampler's worst case (a sort).
+        """
+        num_tokens = self.max_num_tokens
+        with set_forward_context(None):
+            hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        logits = self.model.compute_logits(hidden_states[:num_reqs])
+        vocab_size = logits.shape[-1]
+        self.sampler(
+            logits,
+            SamplingMetadata(
+                temperature=torch.ones(num_reqs, device=self.device),
+                all_greedy=False,
+                all_random=True,
+                top_p=torch.full((num_reqs,), 0.9, device=self.device),
+                top_k=torch.full((num_reqs,), vocab_size, dtype=torch.int32, device=self.device),
+                generators={},
+                max_num_logprobs=None,
+            ),
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ one step
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to `self.requests` and to the persistent batch.
+
+        Cost is O(requests that changed) plus one O(batch) pass for the unscheduled set;
+        no request's tokens are re-copied unless it (re-)enters the batch.
+        """
+        input_batch = self.input_batch
+        removed_req_indices: list[int] = []
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            req_index = input_batch.remove_request(req_id)
+            if req_index is not None:
+                removed_req_indices.append(req_index)
+        # A batch member not scheduled this step was preempted (or skipped): its row goes,
+        # its CachedRequestState stays for when it is scheduled again.
+        unscheduled = input_batch.req_id_to_index.keys() - scheduler_output.num_scheduled_tokens.keys()
+        for req_id in unscheduled:
+            removed_req_indices.append(input_batch.remove_request(req_id))
+
+        reqs_to_add: list[CachedRequestState] = []
+        for new_req in scheduler_output.scheduled_new_reqs:
+            params = new_req.sampling_params
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            req_state = CachedRequestState(
+                req_id=new_req.req_id,
+                prompt_token_ids=new_req.prompt_token_ids,
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new_req.block_ids),
+                num_computed_tokens=new_req.num_computed_tokens,
+                output_token_ids=[],
+            )
+            self.requests[new_req.req_id] = req_state
+            reqs_to_add.append(req_state)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req_state = self.requests[req_id]
+            num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            req_state.num_computed_tokens = num_computed_tokens
+            if resumed:
+                # Its old blocks were freed at preemption; these are all of its blocks now.
+                req_state.block_ids = list(new_block_ids)
+            else:
+                req_state.block_ids.extend(new_block_ids)
+            req_index = input_batch.req_id_to_index.get(req_id)
+            if req_index is None:
+                # Resumed, or skipped last step: it re-enters the batch in full.
+                reqs_to_add.append(req_state)
+                continue
+            input_batch.num_computed_tokens_cpu[req_index] = num_computed_tokens
+            if resumed:
+                input_batch.block_table.add_row(new_block_ids, req_index)
+            else:
+                input_batch.block_table.append_row(new_block_ids, req_index)
+
+        # Fill the lowest holes first, then close whatever holes remain.
+        batch_changed = bool(removed_req_indices or reqs_to_add)
+        removed_req_indices.sort(reverse=True)
+        for req_state in reqs_to_add:
+            input_batch.add_request(req_state, removed_req_indices.pop() if removed_req_indices else None)
+        if removed_req_indices:
+            input_batch.condense(removed_req_indices)
+        if batch_changed:
+            input_batch.refresh_sampling_metadata()
+
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, np.ndarray]:
+        """Flat inputs for the step, from the persistent batch, with no loop over tokens.
+
+        Fills `self.input_ids` and `self.positions` (first `total_num_scheduled_tokens`
+        entries) and returns the common attention metadata, the index of each request's
+        last scheduled token in the flat batch (where its logits are taken), and the rows
+        whose sample must be discarded (a prefill chunk that stops short of the prompt).
+        """
+        input_batch = self.input_batch
+        num_reqs = input_batch.num_reqs
+        total_num_tokens = scheduler_output.total_num_scheduled_tokens
+        assert num_reqs > 0 and total_num_tokens > 0
+        # Start the block table copy first; it overlaps with the numpy work below.
+        block_table_tensor = input_batch.block_table.commit_block_table(num_reqs)
+
+        # E.g. 3 requests scheduled for [2, 5, 3] tokens, with [10, 0, 7] computed before.
+        num_scheduled_tokens = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in input_batch.req_ids], dtype=np.int32
+        )
+        assert num_scheduled_tokens.sum() == total_num_tokens
+        # Batch row of each token: [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)
+        # End of each request's tokens in the flat batch: [2, 7, 10]
+        cu_num_tokens = np.cumsum(num_scheduled_tokens)
+        # Offset of each token within its request's chunk: [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
+        chunk_offsets = self.arange_np[:total_num_tokens] - np.repeat(
+            cu_num_tokens - num_scheduled_tokens, num_scheduled_tokens
+        )
+        # Position in its request: [10, 11, 0, 1, 2, 3, 4, 7, 8, 9]
+        positions_np = self.positions.np[:total_num_tokens]
+        np.add(input_batch.num_computed_tokens_cpu[req_indices], chunk_offsets, out=positions_np)
+        # Token ids: one gather from the flattened [max_num_reqs, max_model_len] token table.
+        token_indices = req_indices * input_batch.token_ids_cpu.shape[1] + positions_np
+        self.input_ids.np[:total_num_tokens] = input_batch.token_ids_cpu.ravel()[token_indices]
+        input_batch.block_table.compute_slot_mapping(req_indices, positions_np)
+
+        # Request i's queries are flat tokens query_start_loc[i] : query_start_loc[i + 1].
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        seq_lens_np = self.seq_lens.np[:num_reqs]
+        np.add(input_batch.num_computed_tokens_cpu[:num_reqs], num_scheduled_tokens, out=seq_lens_np)
+        # A request whose context after this step is still short of its known tokens is
+        # mid-prefill: the token it would sample is a prompt token we already have.
+        discard_req_indices = np.flatnonzero(seq_lens_np < input_batch.num_tokens[:num_reqs])
+
+        # Ship this step's inputs (non-blocking from pinned memory on CUDA).
+        self.input_ids.copy_to_gpu(total_num_tokens)
+        self.positions.copy_to_gpu(total_num_tokens)
+        query_start_loc = self.query_start_loc.copy_to_gpu(num_reqs + 1)
+        common_attn_metadata = CommonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
+            seq_lens=self.seq_lens.copy_to_gpu(num_reqs),
+            seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+            num_computed_tokens_cpu=input_batch.num_computed_tokens_cpu_tensor[:num_reqs],
+            num_reqs=num_reqs,
+            num_actual_tokens=total_num_tokens,
+            max_query_len=int(num_scheduled_tokens.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            block_table_tensor=block_table_tensor,
+            slot_mapping=input_batch.block_table.commit_slot_mapping(total_num_tokens),
+        )
+        logits_indices = query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
+        return common_attn_metadata, logits_indices, discard_req_indices
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
+        common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
+        attn_metadata = self.attn_metadata_builder.build(
+            common_prefix_len=0, common_attn_metadata=common_attn_metadata
+        )
+        num_tokens = common_attn_metadata.num_actual_tokens
+        with set_forward_context(attn_metadata):
+            hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, vocab]
+        sampler_output = self.sampler(logits, self._sampling_metadata_for_step(discard_req_indices))
+        return self._bookkeeping(sampler_output, discard_req_indices)
+
+    def _sampling_metadata_for_step(self, discard_req_indices: np.ndarray) -> SamplingMetadata:
+        """The batch's sampling metadata, minus the generators of rows whose sample is discarded.
+
+        A seeded request must draw from its generator only for tokens it keeps; otherwise
+        its output would depend on how its prompt was chunked.
+        """
+        metadata = self.input_batch.sampling_metadata
+        discarded = set(discard_req_indices.tolist())
+        if discarded.isdisjoint(metadata.generators):
+            return metadata
+        generators = {row: g for row, g in metadata.generators.items() if row not in discarded}
+        return dataclasses.replace(metadata, generators=generators)
+
+    def _bookkeeping(
+        self, sampler_output: SamplerOutput, discard_req_indices: np.ndarray
+    ) -> ModelRunnerOutput:
+        """Keep each row's sample (unless discarded) in the persistent batch and its state."""
+        input_batch = self.input_batch
+        req_ids = input_batch.req_ids
+        # The step's one device -> host synchronisation.
+        sampled_np = sampler_output.sampled_token_ids.view(-1).cpu().numpy()  # [num_reqs]
+        sampled_token_ids: list[list[int]] = sampled_np[:, None].tolist()
+        for i in discard_req_indices:
+            sampled_token_ids[i] = []
+        kept = np.ones(len(req_ids), dtype=bool)
+        kept[discard_req_indices] = False
+        rows = np.flatnonzero(kept)
+        ends = input_batch.num_tokens[rows]
+        assert (ends < self.max_model_len).all(), "the scheduler let a request outgrow max_model_len"
+        input_batch.token_ids_cpu[rows, ends] = sampled_np[rows]
+        input_batch.num_tokens[rows] += 1
+        for i in rows:
+            self.requests[req_ids[i]].output_token_ids.append(sampled_token_ids[i][0])
+        return ModelRunnerOutput(
+            req_ids=list(req_ids),
+            req_id_to_index=dict(input_batch.req_id_to_index),
+            sampled_token_ids=sampled_token_ids,
+            logprobs=self._logprobs_lists(sampler_output, kept),
+        )
+
+    def _logprobs_lists(
+        self, sampler_output: SamplerOutput, kept: np.ndarray
+    ) -> list[list[dict[int, float]]] | None:
+        """Per request: [{token_id: logprob}] (sampled + its own top `logprobs`), or [] if not asked."""
+        tensors = sampler_output.logprobs_tensors
+        if tensors is None:
+            return None
+        token_ids = tensors.logprob_token_ids.tolist()
+        logprobs = tensors.logprobs.tolist()
+        result: list[list[dict[int, float]]] = []
+        for i, req_id in enumerate(self.input_batch.req_ids):
+            num_logprobs = self.input_batch.num_logprobs.get(req_id)
+            if num_logprobs is None or not kept[i]:
+                result.append([])
+            else:
+                width = 1 + num_logprobs
+                result.append([dict(zip(token_ids[i][:width], logprobs[i][:width]))])
+        return result

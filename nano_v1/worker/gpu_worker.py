@@ -1,0 +1,104 @@
+"""The worker: one device, its model runner, and the sizing of the KV cache.
+
+Mirrors vllm/v1/worker/gpu_worker.py (chapter 02).
+
+Why it exists: the engine core speaks to "a worker" and never to a device. The worker
+owns device setup (which GPU, the seed), answers how much memory is left for the KV
+cache once the model and its largest step fit, and forwards each step to the model
+runner. With tensor parallelism (chapter 13) there is one worker per GPU behind the
+same interface.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nano_v1.config import EngineConfig
+from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.worker.gpu_model_runner import GPUModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class Worker:
+    """Call order: init_device, load_model, get_kv_cache_page_size / determine_available_memory,
+    initialize_kv_cache, then execute_model once per step."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.cache_config = engine_config.cache_config
+        self.device: torch.device | None = None
+        self.model_runner: GPUModelRunner | None = None
+        self.init_free_memory = 0  # bytes free on the GPU before the model was loaded
+
+    def init_device(self) -> None:
+        self.device = torch.device(self.engine_config.device_config.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            self.init_free_memory, total = torch.cuda.mem_get_info(self.device)
+            requested = self.cache_config.gpu_memory_utilization * total
+            if self.init_free_memory < requested:
+                raise ValueError(
+                    f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} asks for "
+                    f"{requested / GiB:.2f} GiB of {self.device}, but only {self.init_free_memory / GiB:.2f} GiB "
+                    "is free: lower gpu_memory_utilization or free the GPU."
+                )
+        torch.manual_seed(self.engine_config.model_config.seed)
+        self.model_runner = GPUModelRunner(self.engine_config, self.device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_kv_cache_page_size(self) -> int:
+        """Bytes of one KV cache block, summed over all attention layers."""
+        return self.model_runner.get_kv_cache_page_size()
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may take.
+
+        CPU: `cache_config.kv_cache_memory_bytes`, as there is nothing to measure against.
+        CUDA: run the largest possible step without a cache (`profile_run`) and measure.
+        The cache gets what is left of `gpu_memory_utilization x total` after the peak
+        that torch allocated (weights + activations of that step) and what the process
+        holds outside torch's allocator (CUDA context growth, cuBLAS workspaces).
+        """
+        if self.device.type != "cuda":
+            return self.cache_config.kv_cache_memory_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        free_after, total = torch.cuda.mem_get_info(self.device)
+        torch_peak = torch.cuda.max_memory_allocated(self.device)
+        # Growth in this process's footprint that torch's caching allocator does not account for.
+        non_torch = max(0, (self.init_free_memory - free_after) - torch.cuda.memory_reserved(self.device))
+        requested = self.cache_config.gpu_memory_utilization * total
+        available = int(requested - torch_peak - non_torch)
+        logger.info(
+            "memory: %.2f GiB requested, torch peak %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB",
+            requested / GiB,
+            torch_peak / GiB,
+            non_torch / GiB,
+            available / GiB,
+        )
+        if available <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: the model and its largest step peak at "
+                f"{torch_peak / GiB:.2f} GiB of the {requested / GiB:.2f} GiB that gpu_memory_utilization "
+                "allows; raise gpu_memory_utilization or lower max_num_batched_tokens."
+            )
+        return available
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
