@@ -130,3 +130,17 @@ def test_n_completions_and_max_tokens(tiny_qwen3):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 7 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds, distinct samples
+
+
+def test_min_tokens_holds_back_eos(tiny_qwen3):
+    """With EOS forced to be the likeliest token, min_tokens still yields min_tokens tokens."""
+    llm = LLM(model=tiny_qwen3, dtype="float32")
+    prompt = {"prompt_token_ids": make_prompts(4)[3]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)[0]
+    first = greedy.outputs[0].token_ids[0]
+    # Treat the first greedy token as a stop token: without min_tokens the request stops at once.
+    stop_now = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[first])
+    assert llm.generate(prompt, stop_now, use_tqdm=False)[0].outputs[0].token_ids == [first]
+    held = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[first], min_tokens=5)
+    tokens = llm.generate(prompt, held, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(tokens) >= 5 and first not in tokens[:5]

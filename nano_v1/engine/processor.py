@@ -95,7 +95,10 @@ class Processor:
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
+            # EOS counts as a stop token too (for `min_tokens`, which must hold all of them back).
             params.all_stop_token_ids |= self.generation_eos_ids
+            if self.eos_token_id is not None:
+                params.all_stop_token_ids.add(self.eos_token_id)
         return prompt_text, EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

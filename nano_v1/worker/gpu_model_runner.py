@@ -62,6 +62,8 @@ class GPUModelRunner:
 
         # Every request the runner knows, in the batch or preempted; dropped when finished.
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests that may not stop yet (`min_tokens`); usually empty.
+        self.min_tokens_req_ids: set[str] = set()
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -152,6 +154,7 @@ class GPUModelRunner:
         removed_req_indices: list[int] = []
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.min_tokens_req_ids.discard(req_id)
             req_index = input_batch.remove_request(req_id)
             if req_index is not None:
                 removed_req_indices.append(req_index)
@@ -179,6 +182,8 @@ class GPUModelRunner:
             )
             self.requests[new_req.req_id] = req_state
             reqs_to_add.append(req_state)
+            if params.min_tokens > 0 and params.all_stop_token_ids:
+                self.min_tokens_req_ids.add(new_req.req_id)
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -293,8 +298,25 @@ class GPUModelRunner:
         with set_forward_context(attn_metadata):
             hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, vocab]
+        if self.min_tokens_req_ids:
+            self._apply_min_tokens(logits)
         sampler_output = self.sampler(logits, self._sampling_metadata_for_step(discard_req_indices))
         return self._bookkeeping(sampler_output, discard_req_indices)
+
+    def _apply_min_tokens(self, logits: torch.Tensor) -> None:
+        """Forbid stop tokens (EOS included) for requests short of their `min_tokens`.
+
+        vLLM does this with a logits processor; the set of such requests is small and
+        shrinks as they pass their minimum, so a loop over it costs nothing in the common case.
+        """
+        req_id_to_index = self.input_batch.req_id_to_index
+        for req_id in list(self.min_tokens_req_ids):
+            req_state = self.requests[req_id]
+            params = req_state.sampling_params
+            if len(req_state.output_token_ids) >= params.min_tokens:
+                self.min_tokens_req_ids.discard(req_id)
+            elif req_id in req_id_to_index:
+                logits[req_id_to_index[req_id], list(params.all_stop_token_ids)] = float("-inf")
 
     def _sampling_metadata_for_step(self, discard_req_indices: np.ndarray) -> SamplingMetadata:
         """The batch's sampling metadata, minus the generators of rows whose sample is discarded.

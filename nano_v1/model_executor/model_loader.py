@@ -1,0 +1,105 @@
+"""Build a model from its Hugging Face config and fill it with weights.
+
+Mirrors vllm/model_executor/model_loader/ (default_loader.py, dummy_loader.py,
+weight_utils.py) (chapter 01).
+
+Why it exists: a checkpoint directory is a `config.json` plus `*.safetensors` files of named
+tensors. The model is built empty, directly on the device and in the serving dtype (no
+float32 copy on the CPU first), and then the tensors are streamed in one at a time, each
+handed to its parameter's `weight_loader`, which knows where the tensor goes (a fused
+projection takes several checkpoint tensors). Peak host memory stays at one tensor, not one
+model. The dummy format skips the checkpoint entirely, for benchmarks of shapes only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from nano_v1.config import ModelConfig
+
+
+def check_shape(target: torch.Tensor, loaded_weight: torch.Tensor, where: str = "the parameter") -> None:
+    """Raise a ValueError naming both shapes if a checkpoint tensor does not fit its destination."""
+    if target.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: the checkpoint tensor has shape {tuple(loaded_weight.shape)} "
+            f"but {where} has shape {tuple(target.shape)}"
+        )
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter of the same shape (on its device, in its dtype)."""
+    check_shape(param, loaded_weight)
+    param.data.copy_(loaded_weight)
+
+
+def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of every `*.safetensors` file, one at a time."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {model_dir!r}; nano_v1 loads only safetensors checkpoints "
+            "(or use load_format='dummy' for random weights)."
+        )
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for bad headers and short files
+            raise ValueError(f"cannot read safetensors file {str(file)!r}: {e}") from e
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Fill every parameter with small uniform noise, as vLLM's dummy loader does.
+
+    Values this small keep activations finite in any dtype, which is all a benchmark of
+    shapes needs; no checkpoint file is opened.
+    """
+    generator = None
+    for param in model.parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        param.data.uniform_(low, high, generator=generator)
+
+
+@contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Create every tensor in `dtype` on `device` while the model's modules are built."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """Build the model class that the checkpoint's `architectures` name and load its weights."""
+    from nano_v1.model_executor.models import resolve_model_cls
+
+    hf_config = model_config.hf_config
+    model_cls = resolve_model_cls(list(getattr(hf_config, "architectures", None) or []))
+    with _default_dtype_and_device(model_config.dtype, torch.device(device)):
+        model = model_cls(hf_config)
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model, seed=model_config.seed)
+    else:
+        loaded = model.load_weights(safetensors_weights_iterator(model_config.model))
+        missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+        if missing:
+            raise ValueError(
+                f"checkpoint {model_config.model!r} lacks {len(missing)} weight(s) the model needs, "
+                f"e.g. {missing[:5]}."
+            )
+    return model.eval()
