@@ -33,7 +33,9 @@ _DTYPES = {
 
 def _default_model() -> str:
     """The bundled demo checkpoint, used when no model is given."""
-    return str(Path(__file__).parent / "demo_model" / "checkpoint")
+    from nano_v1.demo_model import DEMO_MODEL_PATH
+
+    return str(DEMO_MODEL_PATH)
 
 
 @dataclass
