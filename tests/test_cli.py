@@ -1,0 +1,36 @@
+"""The `nano-v1` command: the quick start's main job, and clear errors for bad flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.ch01
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nano_v1.entrypoints.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_with_the_bundled_model():
+    result = run_cli("generate", "def fibonacci(n):", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def fibonacci(n):")
+    assert len(result.stdout.splitlines()[0]) > len("def fibonacci(n):") or len(result.stdout.splitlines()) > 2
+
+
+def test_generate_rejects_bad_sampling_flag():
+    result = run_cli("generate", "x = 1", "--max-tokens", "0")
+    assert result.returncode == 2
+    assert "max_tokens" in result.stderr
+
+
+def test_engine_flags_come_from_engine_args():
+    result = run_cli("generate", "--help")
+    assert result.returncode == 0
+    for flag in ("--max-num-seqs", "--block-size", "--enable-prefix-caching", "--max-num-batched-tokens"):
+        assert flag in result.stdout
