@@ -6,6 +6,7 @@ Every parity test loads these through the same path a real checkpoint takes
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
 import torch
 
@@ -75,3 +76,12 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# `--hypothesis-profile=fail_fast`: report the first failing example as found, without
+# shrinking or explaining it. The assignment integrity check (test_assignments.py) only
+# needs to know that a stubbed task fails, and shrinking a failure that every example
+# hits costs tens of seconds per test.
+hypothesis.settings.register_profile(
+    "fail_fast", phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate]
+)

@@ -262,6 +262,7 @@ def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: 
     assert metadata.all_random == all(expected_temperature)
 
 
+@pytest.mark.ch05_t2
 @pytest.mark.parametrize("seed", range(6))
 def test_prepare_inputs_matches_naive_rebuild(engine_config, seed):
     rng = random.Random(seed)
@@ -434,6 +435,7 @@ def test_seeded_request_independent_of_chunking_preemption_and_batch(engine_conf
     assert other.finished[rid_other].outputs != reference
 
 
+@pytest.mark.ch05_t2
 def test_execute_model_greedy_and_logprobs(engine_config):
     runner = fake_runner(engine_config)
     model = runner.model

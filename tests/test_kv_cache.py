@@ -58,6 +58,7 @@ def check_links(queue: FreeKVCacheBlockQueue, expected: list[int]) -> None:
     assert queue.num_free_blocks == len(expected)
 
 
+@pytest.mark.ch02_t1
 @pytest.mark.ch02
 @settings(max_examples=100, deadline=None)
 @given(num_blocks=st.integers(0, 12), data=st.data())
@@ -100,6 +101,7 @@ def test_free_queue_matches_list_model(num_blocks, data):
 # ----------------------------------------------------------------------------- ch02: pool basics
 
 
+@pytest.mark.ch02_t1
 @pytest.mark.ch02
 def test_null_block_is_never_handed_out():
     pool = BlockPool(num_gpu_blocks=5, enable_caching=False)
@@ -114,6 +116,7 @@ def test_null_block_is_never_handed_out():
     assert pool.get_usage() == 0.0 and queue_ids(pool.free_block_queue) == [1, 2, 3, 4]
 
 
+@pytest.mark.ch02_t2
 @pytest.mark.ch02
 def test_allocate_slots_rounds_up_and_caps_at_max_model_len():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=20, max_model_len=10, enable_caching=False)
@@ -129,6 +132,7 @@ def test_allocate_slots_rounds_up_and_caps_at_max_model_len():
         manager.allocate_slots(request, 0)
 
 
+@pytest.mark.ch02_t2
 @pytest.mark.ch02
 def test_allocate_slots_is_all_or_nothing():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=4, max_model_len=100, enable_caching=False)
@@ -360,6 +364,7 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
     assert manager.reset_prefix_cache() and not pool.cached_block_hash_to_block
 
 
+@pytest.mark.ch02_t2
 @pytest.mark.ch02
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_gpu_blocks=st.integers(2, 24))
@@ -377,6 +382,7 @@ def test_prefix_cache_against_reference(data, num_gpu_blocks):
 # ----------------------------------------------------------------------------- ch03: directed cases
 
 
+@pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_block_hashes_are_chained_and_only_for_full_blocks():
     request = make_request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9])
@@ -392,6 +398,7 @@ def test_block_hashes_are_chained_and_only_for_full_blocks():
     assert hash_block_tokens(None, [1, 2, 3, 4], ("lora", 1)) != hash_block_tokens(None, [1, 2, 3, 4])
 
 
+@pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_fully_cached_prompt_recomputes_its_last_block():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
@@ -410,6 +417,7 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     assert manager.make_prefix_cache_stats().queries == 0
 
 
+@pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_hits_sitting_in_the_free_queue_count_against_free_space():
     # 3 usable blocks. A caches all 3 and finishes; B hits all 3 (still free, ref 0)
@@ -427,6 +435,7 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
     assert snapshot(manager) == before
 
 
+@pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_eviction_is_lru_and_tail_first():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=7, max_model_len=100)
@@ -462,6 +471,7 @@ def test_caching_disabled_never_hits_or_hashes():
     assert all(block.block_hash is None for block in manager.block_pool.blocks)
 
 
+@pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_lookahead_slots_are_not_cached():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)

@@ -174,6 +174,7 @@ def make_requests(rng: random.Random, num: int, block_size: int, max_prompt: int
     return requests
 
 
+@pytest.mark.ch04_t2
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10**6),
@@ -202,6 +203,7 @@ def test_scheduler_invariants_and_outputs(seed, block_size, budget, max_seqs, ca
         assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens)
 
 
+@pytest.mark.ch04_t2
 def test_chunked_prefill_splits_long_prompt_under_budget():
     sched = make_scheduler(64, 4, budget=10, max_seqs=4, max_model_len=100, caching=False)
     runner = FakeModelRunner(4)
@@ -216,6 +218,7 @@ def test_chunked_prefill_splits_long_prompt_under_budget():
     assert chunks == [10, 10, 5, 1]
 
 
+@pytest.mark.ch04_t2
 def test_decodes_and_prefill_share_one_step():
     sched = make_scheduler(64, 4, budget=8, max_seqs=4, max_model_len=100, caching=False)
     runner = FakeModelRunner(4)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nano_v1.benchmarks.ledger import LEDGER_DIR, latest_gpu_results
-from nano_v1.benchmarks.utils import environment, write_json
+from nano_v1.benchmarks.utils import environment, write_json, write_tiny_qwen3
 
 SMOKE = os.environ.get("NANO_V1_SMOKE") == "1"
 ON_GPU = torch.cuda.is_available()
@@ -48,11 +48,46 @@ def pick(cpu: Any, gpu: Any, smoke: Any) -> Any:
     return smoke if SMOKE else gpu if ON_GPU else cpu
 
 
+def dummy_model() -> tuple[str, str, str]:
+    """(model directory, dtype, name) of a shape to run with `load_format="dummy"` (random weights).
+
+    On a GPU at full size: the Qwen3-0.6B shape in bfloat16. Otherwise GOALS.md's tiny Qwen3
+    (4 layers, hidden 256) in float32, its config.json written to a temporary directory.
+    """
+    if ON_GPU and not SMOKE:
+        from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
+
+        return str(CONFIGS_DIR / "qwen3-0.6b"), "bfloat16", "Qwen3-0.6B shape"
+    return (
+        write_tiny_qwen3(tempfile.mkdtemp(prefix="nano_v1_nb_"), weights=False),
+        "float32",
+        "tiny Qwen3 (5.2M)",
+    )
+
+
 def figures_dir() -> Path:
     """figures/ of the checkout; in smoke mode `$NANO_V1_FIGURES_DIR` or a temporary directory."""
     if not SMOKE:
         return LEDGER_DIR.parent
-    return Path(os.environ.get("NANO_V1_FIGURES_DIR") or Path(tempfile.gettempdir()) / "nano_v1_smoke_figures")
+    return Path(
+        os.environ.get("NANO_V1_FIGURES_DIR") or Path(tempfile.gettempdir()) / "nano_v1_smoke_figures"
+    )
+
+
+def tick_at(axes, values) -> None:
+    """Put the x ticks of every axis in `axes` exactly at `values` (batch sizes, budgets), on log axes too."""
+    for ax in axes:
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.minorticks_off()
+
+
+def finish_figure(fig, title: str) -> None:
+    """Legends on every axis that has labelled lines, and a title that ends with where it ran."""
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: {device_label()}", fontsize=10)
+    fig.tight_layout()
 
 
 def save_figure(fig, name: str) -> Path:

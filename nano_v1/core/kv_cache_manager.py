@@ -67,6 +67,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
+        # BEGIN TASK ch03_t2: hits up to the first miss (last token never hits); set num_computed_tokens
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
         computed_blocks = []
         # Chain hashes: block i's hash names tokens [0, (i+1) * block_size), so the
@@ -77,6 +78,7 @@ class KVCacheManager:
                 break
             computed_blocks.append(block)
         num_computed_tokens = len(computed_blocks) * self.block_size
+        # END TASK
 
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
@@ -131,12 +133,14 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         assert not (new_computed_blocks and req_blocks), "cache hits are only taken on admission"
 
+        # BEGIN TASK ch02_t2: set num_computed_tokens and num_new_blocks (slots capped at max_model_len)
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
         num_required_blocks = -(-num_tokens_need_slot // self.block_size)  # ceil division
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
+        # END TASK
         # A hit still in the free queue (ref_cnt 0) leaves it when touched, exactly like
         # a fresh block does, so it must be paid for out of the free blocks too.
         num_evictable_computed_blocks = (

@@ -112,6 +112,7 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the first `n` blocks, front first, in one pass."""
         assert 0 <= n <= self.num_free_blocks, f"cannot pop {n} of {self.num_free_blocks} free blocks"
+        # BEGIN TASK ch02_t1: unlink the first n blocks, clear their links, reconnect the head sentinel
         popped = []
         block = self.fake_free_list_head.next_free_block
         for _ in range(n):
@@ -124,6 +125,7 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = self.fake_free_list_head
         self.num_free_blocks -= n
         return popped
+        # END TASK
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink `block` from wherever it is in the queue, in O(1)."""
@@ -208,6 +210,7 @@ class RequestBlockHasher:
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of blocks `len(request.block_hashes)`, ... that are now full (a partial
         last block gets no hash until it fills)."""
+        # BEGIN TASK ch03_t1: hash each newly full block, chaining from the previous block's hash
         block_size = self.block_size
         start = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens
@@ -218,6 +221,7 @@ class RequestBlockHasher:
             parent = hash_block_tokens(parent, token_ids[block_start : block_start + block_size])
             new_hashes.append(parent)
         return new_hashes
+        # END TASK
 
 
 def get_request_block_hasher(block_size: int) -> RequestBlockHasher:

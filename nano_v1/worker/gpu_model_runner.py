@@ -240,6 +240,7 @@ class GPUModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in input_batch.req_ids], dtype=np.int32
         )
         assert num_scheduled_tokens.sum() == total_num_tokens
+        # BEGIN TASK ch05_t2: req_indices, cu_num_tokens, positions_np (a view of self.positions.np); no loop
         # Batch row of each token: [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
         req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)
         # End of each request's tokens in the flat batch: [2, 7, 10]
@@ -251,6 +252,7 @@ class GPUModelRunner:
         # Position in its request: [10, 11, 0, 1, 2, 3, 4, 7, 8, 9]
         positions_np = self.positions.np[:total_num_tokens]
         np.add(input_batch.num_computed_tokens_cpu[req_indices], chunk_offsets, out=positions_np)
+        # END TASK
         # Token ids: one gather from the flattened [max_num_reqs, max_model_len] token table.
         token_indices = req_indices * input_batch.token_ids_cpu.shape[1] + positions_np
         self.input_ids.np[:total_num_tokens] = input_batch.token_ids_cpu.ravel()[token_indices]

@@ -124,11 +124,13 @@ class Scheduler:
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_computed = request.num_computed_tokens
+            # BEGIN TASK ch04_t2: tokens to schedule: the gap, capped by threshold, budget, max_model_len - 1
             num_new_tokens = request.num_tokens_with_spec - num_computed
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             # Never compute a position past the context window (drafts could push it there).
             num_new_tokens = min(num_new_tokens, token_budget, max_position - num_computed)
+            # END TASK
             if num_new_tokens <= 0:
                 req_index += 1
                 continue

@@ -14,6 +14,7 @@ from nano_v1.request import Request, RequestStatus
 
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set a finished status on `request` and return True if its last token ends it."""
+    # BEGIN TASK ch04_t1: length cap first; after min_tokens, stop on EOS or a stop token id
     output_token_ids = request.output_token_ids
     num_output_tokens = len(output_token_ids)
     max_tokens = request.max_tokens
@@ -32,3 +33,4 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.stop_reason = last_token_id
         return True
     return False
+    # END TASK

@@ -1,0 +1,92 @@
+"""Command line of assignment mode: list tasks, make a student copy, grade it.
+
+Course machinery (chapters 02-05); vLLM has no counterpart.
+
+    python -m nano_v1.assignments list
+    python -m nano_v1.assignments make ch04 [ch05_t1 ...] --out ../nano_v1-ch04
+    cd ../nano_v1-ch04 && python -m nano_v1.assignments grade [--json score.json] [-- -x]
+
+Why it exists: one entry point per step of the student's loop; `grade` always tests the
+tree this module was imported from, so it refuses to run from anywhere but that tree's
+root (from elsewhere, an installed reference copy could be graded by mistake).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from nano_v1.assignments import (
+    ASSIGNMENT_FILE,
+    REPO_ROOT,
+    TaskRegionError,
+    find_tasks,
+    make_student_copy,
+    select_tasks,
+)
+from nano_v1.assignments.grading import format_table, run_pytest, score, to_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything after "--" goes to pytest untouched.
+    pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+
+    parser = argparse.ArgumentParser(prog="python -m nano_v1.assignments", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="print every task with its file and hint")
+    make = commands.add_parser("make", help="write a student copy with the chosen tasks stubbed")
+    make.add_argument("selectors", nargs="+", metavar="CHAPTER_OR_TASK", help="e.g. ch04 or ch04_t1")
+    make.add_argument("--out", required=True, type=Path, help="new directory for the copy")
+    grade = commands.add_parser("grade", help="run the tasks' tests here and print a score per task")
+    grade.add_argument(
+        "selectors", nargs="*", metavar="CHAPTER_OR_TASK",
+        help=f"default: the tasks recorded in {ASSIGNMENT_FILE}, else every task",
+    )  # fmt: skip
+    grade.add_argument("--json", type=Path, help="also write the scores to this file")
+    args = parser.parse_args(argv)
+
+    try:
+        tasks = find_tasks(REPO_ROOT)
+        if args.command == "list":
+            width = max((len(f"{t.path}:{t.begin_line}") for t in tasks), default=0)
+            for task in tasks:
+                print(f"{task.task_id:9} {f'{task.path}:{task.begin_line}':{width}}  {task.hint}")
+            return 0
+        if args.command == "make":
+            chosen = make_student_copy(args.selectors, args.out)
+            print(
+                f"wrote {args.out} with {len(chosen)} task(s) to do: {', '.join(t.task_id for t in chosen)}"
+            )
+            print(f"grade it with: cd {args.out} && python -m nano_v1.assignments grade")
+            return 0
+        return _grade(tasks, args.selectors, args.json, pytest_args)
+    except (TaskRegionError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _grade(tasks, selectors: list[str], json_path: Path | None, pytest_args: list[str]) -> int:
+    if Path.cwd().resolve() != REPO_ROOT:
+        raise ValueError(
+            f"nano_v1 was imported from {REPO_ROOT}, but the current directory is {Path.cwd()}; "
+            "run grade from the root of the copy you want graded"
+        )
+    assignment = REPO_ROOT / ASSIGNMENT_FILE
+    if not selectors and assignment.exists():
+        selectors = json.loads(assignment.read_text())["tasks"]
+    chosen = select_tasks(tasks, selectors) if selectors else tasks
+    report = run_pytest(REPO_ROOT, chosen, pytest_args)
+    task_scores, others = score(chosen, report)
+    print()
+    print(format_table(task_scores, others))
+    if json_path is not None:
+        json_path.write_text(json.dumps(to_json(task_scores, others, report), indent=2) + "\n")
+    return 0 if all(s.points for s in task_scores) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

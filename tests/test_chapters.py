@@ -1,0 +1,166 @@
+"""The chapters cannot drift from the code: every reference, figure and notebook they name exists.
+
+A chapter quotes code by reference (`nano_v1/core/block_pool.py::BlockPool.touch`),
+never by a copy; this test resolves each reference with `ast` (no imports, so a chapter
+about CUDA graphs is checked on a laptop too). It also checks that each chapter opens
+with its box (files, notebook, test marker; chapters/TEMPLATE.md), that every image it
+embeds and every notebook it names is in the repository.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ch00
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]-*.md"))
+
+CODE_REF_RE = re.compile(r"(nano_v1/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])")
+CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
+IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
+FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|json))")
+NOTEBOOK_RE = re.compile(r"(?<![\w/])notebooks/[\w.-]+\.(?:py|ipynb)")
+BOX_RE = re.compile(
+    r"> \*\*Files\*\*: (?P<files>.+) · \*\*Notebook\*\*: (?P<notebook>.+) · \*\*Run\*\*: (?P<run>.+)"
+)
+
+
+def expand_braces(path: str) -> list[str]:
+    """`a/{b,c}.py` -> [`a/b.py`, `a/c.py`] (one level, any number of groups)."""
+    parts = re.split(r"\{([^{}]*)\}", path)
+    choices = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def scope_names(node: ast.AST) -> dict[str, ast.AST]:
+    """Names a module or class body defines: defs, classes, assignments, imports; for a class
+    also the `self.<name> = ...` attributes its methods set."""
+    names: dict[str, ast.AST] = {}
+    for child in node.body:
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[child.name] = child
+        elif isinstance(child, (ast.Assign, ast.AnnAssign)):
+            targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names[name.id] = child
+        elif isinstance(child, (ast.Import, ast.ImportFrom)):
+            for alias in child.names:
+                names[(alias.asname or alias.name).split(".")[0]] = child
+    if isinstance(node, ast.ClassDef):
+        for attribute in ast.walk(node):
+            if (
+                isinstance(attribute, ast.Attribute)
+                and isinstance(attribute.ctx, ast.Store)
+                and isinstance(attribute.value, ast.Name)
+                and attribute.value.id == "self"
+            ):
+                names.setdefault(attribute.attr, attribute)
+    return names
+
+
+def resolve(path: str, symbol: str) -> str | None:
+    """None if `symbol` (maybe `Class.method`) is defined in `path`, else why not."""
+    source = REPO_ROOT / path
+    if not source.is_file():
+        return f"{path} does not exist"
+    node: ast.AST = ast.parse(source.read_text(encoding="utf-8"))
+    for depth, part in enumerate(symbol.split(".")):
+        if not isinstance(node, (ast.Module, ast.ClassDef)):
+            return f"{'.'.join(symbol.split('.')[:depth])} in {path} is not a class"
+        names = scope_names(node)
+        if part not in names:
+            return f"{path} defines no {'.'.join(symbol.split('.')[: depth + 1])}"
+        node = names[part]
+    return None
+
+
+def chapter_id(chapter: Path) -> str:
+    return chapter.name[:2]
+
+
+@pytest.fixture(params=CHAPTERS, ids=[c.name for c in CHAPTERS])
+def chapter(request) -> Path:
+    return request.param
+
+
+def test_there_are_chapters():
+    assert CHAPTERS, "chapters/NN-slug.md files are missing"
+
+
+def test_opens_with_heading_and_box(chapter):
+    lines = [line for line in chapter.read_text(encoding="utf-8").splitlines() if line.strip()]
+    number = chapter_id(chapter)
+    assert lines[0].startswith(f"# {number} · "), (
+        f"first line must be '# {number} · <title>', got {lines[0]!r}"
+    )
+    box = BOX_RE.fullmatch(lines[1])
+    assert box, (
+        f"second line must be the box '> **Files**: ... · **Notebook**: ... · **Run**: ...', got {lines[1]!r}"
+    )
+    assert f"pytest -m ch{number}" in box["run"], f"the box's Run must name `pytest -m ch{number}`"
+    assert "nano_v1/" in box["files"]
+    for notebook in NOTEBOOK_RE.findall(box["notebook"]):
+        assert Path(notebook).name.startswith(f"{number}_"), f"{notebook} is not chapter {number}'s notebook"
+
+
+def test_code_references_resolve(chapter):
+    text = chapter.read_text(encoding="utf-8")
+    problems = [problem for path, symbol in CODE_REF_RE.findall(text) if (problem := resolve(path, symbol))]
+    assert not problems, "\n".join(problems)
+
+
+def test_named_paths_exist(chapter):
+    """Every `nano_v1/...` path in a code span (braces expanded) and every notebook named."""
+    text = chapter.read_text(encoding="utf-8")
+    missing = []
+    for span in CODE_SPAN_RE.findall(text):
+        if span.startswith("nano_v1/"):
+            for path in expand_braces(span.split("::")[0]):
+                if not (REPO_ROOT / path).exists():
+                    missing.append(path)
+    missing += [path for path in NOTEBOOK_RE.findall(text) if not (REPO_ROOT / path).is_file()]
+    assert not missing, f"{chapter.name} names paths that do not exist: {sorted(set(missing))}"
+
+
+def test_embedded_figures_exist(chapter):
+    text = chapter.read_text(encoding="utf-8")
+    missing = [src for src in IMAGE_RE.findall(text) if not (chapter.parent / src).resolve().is_file()]
+    missing += [path for path in FIGURE_RE.findall(text) if not (REPO_ROOT / path).is_file()]
+    assert not missing, f"{chapter.name} embeds figures that do not exist: {sorted(set(missing))}"
+
+
+# ----------------------------------------------------------------------------- the checker itself
+
+
+def test_resolve_finds_nested_symbols_and_reports_misses():
+    path = "tests/test_chapters.py"  # this file, a module the checker can read like any other
+    assert resolve(path, "resolve") is None
+    assert resolve(path, "REPO_ROOT") is None
+    assert resolve(path, "Path") is None  # imported names count: modules re-export
+    assert resolve(path, "nope") == f"{path} defines no nope"
+    assert resolve(path, "resolve.inner") == f"resolve in {path} is not a class"
+    assert resolve("nano_v1/no_such.py", "X") == "nano_v1/no_such.py does not exist"
+    assert resolve("nano_v1/core/block_pool.py", "BlockPool.touch") is None
+    assert resolve("nano_v1/core/block_pool.py", "BlockPool.free_block_queue") is None  # self.<attr>
+    assert resolve("nano_v1/core/block_pool.py", "BlockPool.nope").endswith("defines no BlockPool.nope")
+
+
+def test_patterns_pick_out_what_chapters_write():
+    text = (
+        "See `nano_v1/core/block_pool.py::BlockPool.touch`. ![plot](../figures/02_x.png)\n"
+        "`nano_v1/model_executor/models/{llama,qwen3}.py` and notebooks/02_paged_kv_cache.py, "
+        "raw numbers in figures/data/02_x.json."
+    )
+    assert CODE_REF_RE.findall(text) == [("nano_v1/core/block_pool.py", "BlockPool.touch")]
+    assert IMAGE_RE.findall(text) == ["../figures/02_x.png"]
+    assert FIGURE_RE.findall(text) == ["figures/02_x.png", "figures/data/02_x.json"]
+    assert NOTEBOOK_RE.findall(text) == ["notebooks/02_paged_kv_cache.py"]
+    assert expand_braces("a/{b,c}.py") == ["a/b.py", "a/c.py"]
