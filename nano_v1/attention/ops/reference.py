@@ -52,6 +52,7 @@ class BatchSplit:
     """
 
     decode_req_ids: torch.Tensor  # [num_decodes] int64, on the device
+    decode_seq_lens_cpu: torch.Tensor  # [num_decodes] int64, on the host
     decode_token_ids: torch.Tensor  # [num_decodes] int64, on the device: each decode's query row
     max_decode_seq_len: int
     # (request index, first query row, one past the last query row, context length), on the host.
@@ -78,6 +79,7 @@ def plan_batch_split(
     )
     return BatchSplit(
         decode_req_ids=decode_req_ids.to(device, non_blocking=True),
+        decode_seq_lens_cpu=seq_lens[decode_req_ids],
         decode_token_ids=cu[decode_req_ids].to(device, non_blocking=True),
         max_decode_seq_len=int(seq_lens[decode_req_ids].max()) if len(decode_req_ids) else 0,
         prefills=prefills,
@@ -88,20 +90,20 @@ def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     block_ids: torch.Tensor,  # [..., num_pages]: one request's pages per row
     length: int,
-    seq_lens: torch.Tensor | None = None,  # [...]: each row's context, if rows are padded to `length`
+    padding_rows: torch.Tensor | None = None,  # rows of the flat copy to zero (see below)
 ) -> torch.Tensor:
     """Copy `length` context tokens out of the pages listed in `block_ids`, as float32.
 
-    With `seq_lens`, positions at or past a row's own context are padding: their slots may
-    hold anything (stale values of a freed block, or NaN if never written), so they are
-    zeroed here, while the copy is still contiguous, and the caller masks them out too.
+    When rows are padded to a common length, positions past a row's own context may hold
+    anything (stale values of a freed block, or NaN if never written). `padding_rows`
+    indexes them in the flat copy `[num_rows * num_pages * block_size]`; they are zeroed
+    (written, never read: cheap), and the caller masks them out of the softmax too.
     """
     pages = cache.index_select(0, block_ids.flatten().long())  # [n, block_size, num_kv_heads, head_size]
+    if padding_rows is not None:
+        pages.view(-1, cache.shape[2] * cache.shape[3]).index_fill_(0, padding_rows, 0.0)
     pages = pages.view(*block_ids.shape, *cache.shape[1:])  # [..., num_pages, block_size, Hkv, D]
     flat = pages.flatten(-4, -3)  # [..., num_pages * block_size, num_kv_heads, head_size]
-    if seq_lens is not None:
-        padding = torch.arange(flat.shape[-3], device=cache.device) >= seq_lens[..., None]
-        flat.masked_fill_(padding[..., None, None], 0.0)
     return flat[..., :length, :, :].float()
 
 
@@ -194,10 +196,13 @@ def unified_attention(
         num_pages = -(-length // block_size)
         block_ids = block_table[split.decode_req_ids, :num_pages]  # [num_decodes, num_pages]
         # Rows are padded to the longest context: the padding is zeroed and masked out.
+        # Which rows of the gathered copy are padding is worked out on the host (no sync).
+        padded = torch.arange(num_pages * block_size) >= split.decode_seq_lens_cpu[:, None]
+        padding_rows = padded.flatten().nonzero().squeeze(1).to(q.device, non_blocking=True)
         seq_lens = seqused_k[split.decode_req_ids]
         padding = torch.arange(length, device=q.device) >= seq_lens[:, None]  # [num_decodes, length]
-        k = _gather_context(k_cache, block_ids, length, seq_lens).transpose(1, 2)  # [num_decodes, Hkv, length, D]
-        v = _gather_context(v_cache, block_ids, length, seq_lens).transpose(1, 2)
+        k = _gather_context(k_cache, block_ids, length, padding_rows).transpose(1, 2)  # [num_decodes, Hkv, length, D]
+        v = _gather_context(v_cache, block_ids, length, padding_rows).transpose(1, 2)
         q_dec = q[split.decode_token_ids].float()  # [num_decodes, num_heads, head_size]
         q_dec = q_dec.view(num_decodes, num_kv_heads, group, 1, head_size)
         if lse is None:
