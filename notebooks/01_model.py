@@ -258,9 +258,9 @@ else:
 #   step, and on a small model the host time is most of the step (chapter 00).
 # - nano_v1 reads K and V through the block table. On a GPU a paged attention kernel does
 #   that for free (chapter 06); on a CPU the plain PyTorch reference gathers every
-#   request's context into a dense tensor each step, which at these sizes costs as much as
-#   the matmuls. That is the price of paging without a paged kernel, and why this
-#   notebook's CPU numbers say more about host overhead than about the engine on a GPU.
+#   decode's context into a dense tensor each step, which at these sizes costs about half
+#   as much as the matmuls. That is the price of paging without a paged kernel, and why
+#   this notebook's CPU numbers say more about host overhead than about the engine on a GPU.
 #
 # With more requests every engine gets closer to its ceiling, because a step's weight
 # reads and fixed costs are shared by more tokens. All stay well below it: the ceiling
