@@ -45,7 +45,6 @@ class EngineCoreOutput:
 
 @dataclass(slots=True)
 class EngineCoreOutputs:
-    """One step's outputs, plus scheduler statistics for logging and benchmarks."""
+    """One step's outputs."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
-    scheduler_stats: dict[str, float] | None = None

@@ -29,7 +29,6 @@ class LLMEngine:
         self.processor = Processor(engine_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(engine_config)
-        self.last_scheduler_stats: dict[str, float] | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -87,8 +86,6 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(processed.reqs_to_abort)
-        if outputs.scheduler_stats is not None:
-            self.last_scheduler_stats = outputs.scheduler_stats
         return processed.request_outputs
 
     def get_num_unfinished_requests(self) -> int:

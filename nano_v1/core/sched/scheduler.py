@@ -22,7 +22,6 @@ victim's blocks and sends it back to the head of the waiting queue to be recompu
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from nano_v1.config import EngineConfig
@@ -313,15 +312,7 @@ class Scheduler:
         if stopped:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
-
-    def make_stats(self) -> dict[str, float]:
-        return {
-            "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.waiting),
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "timestamp": time.monotonic(),
-        }
+        return EngineCoreOutputs(outputs=outputs)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
