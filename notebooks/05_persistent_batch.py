@@ -24,15 +24,14 @@
 
 # %%
 import statistics
-import tempfile
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import transformers
 
 from nano_v1.benchmarks import notebook as nb
+from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
 from nano_v1.config import EngineArgs
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.sample.sampler import SamplerOutput
@@ -46,21 +45,11 @@ BATCH_SIZES = nb.pick(cpu=[1, 8, 32, 128, 256], gpu=[1, 8, 32, 128, 256], smoke=
 CONTEXT = nb.pick(cpu=2000, gpu=2000, smoke=64)  # tokens per request when the measurement starts
 STEPS = nb.pick(cpu=50, gpu=50, smoke=3)
 
-config_dir = tempfile.mkdtemp(prefix="nb05_")
-# Qwen3-0.6B's shape; input preparation reads only the config.
-transformers.Qwen3Config(
-    vocab_size=151936,
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    architectures=["Qwen3ForCausalLM"],
-).save_pretrained(config_dir)
+# Qwen3-0.6B's shape, from the config the GPU suite ships; input preparation reads only the config.
 engine_config = EngineArgs(
-    model=config_dir,
+    model=str(CONFIGS_DIR / "qwen3-0.6b"),
     device=nb.DEVICE,
+    dtype="float32",
     max_model_len=MAX_MODEL_LEN,
     block_size=BLOCK_SIZE,
     max_num_seqs=MAX_NUM_SEQS,
