@@ -1,6 +1,7 @@
 """Paged attention in plain PyTorch: the reference every faster kernel is tested against.
 
-Mirrors vllm/_custom_ops.py::reshape_and_cache_flash and
+Mirrors vllm/_custom_ops.py::reshape_and_cache_flash,
+vllm/attention/ops/merge_attn_states.py::merge_attn_states and
 vllm/attention/ops/triton_unified_attention.py::unified_attention (chapters 01 and 06).
 
 Why it exists: the KV cache is a pool of fixed-size blocks, and one step's batch is ragged:
@@ -233,3 +234,37 @@ def unified_attention(
             lse[:, start:end] = l.reshape(num_heads, query_len)
         out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
     return lse
+
+
+def merge_attn_states(
+    output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    prefix_output: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    prefix_lse: torch.Tensor,  # [num_heads, num_tokens]
+    suffix_output: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    suffix_lse: torch.Tensor,  # [num_heads, num_tokens]
+    output_lse: torch.Tensor | None = None,  # [num_heads, num_tokens], written in place if given
+) -> None:
+    """Combine two attentions over disjoint key sets into the attention over their union.
+
+    Each part is softmax-normalised over its own keys; its log-sum-exp says how much
+    probability mass it would hold in the joint softmax. So the union's output is the two
+    outputs weighted by exp(lse) and renormalised. A part with no keys has an infinite LSE
+    (+inf from some kernels, -inf from others); it gets weight 0, and if both parts are
+    empty the output is 0 rather than NaN.
+    """
+    p_lse = prefix_lse.float().clone()
+    s_lse = suffix_lse.float().clone()
+    p_lse[p_lse == float("inf")] = float("-inf")
+    s_lse[s_lse == float("inf")] = float("-inf")
+    max_lse = torch.maximum(p_lse, s_lse)
+    max_lse[max_lse == float("-inf")] = 0.0  # both empty: any finite shift will do
+    p_weight = torch.exp(p_lse - max_lse)  # [num_heads, num_tokens]
+    s_weight = torch.exp(s_lse - max_lse)
+    total = p_weight + s_weight
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    p_scale = (p_weight / safe_total).T.unsqueeze(-1)  # [num_tokens, num_heads, 1]
+    s_scale = (s_weight / safe_total).T.unsqueeze(-1)
+    merged = prefix_output.float() * p_scale + suffix_output.float() * s_scale
+    output.copy_(merged.to(output.dtype))
+    if output_lse is not None:
+        output_lse.copy_(torch.log(total) + max_lse)
