@@ -6,9 +6,19 @@ Every parity test loads these through the same path a real checkpoint takes
 
 from __future__ import annotations
 
+import os
+
 import hypothesis
 import pytest
 import torch
+
+# Engines under test run in-process unless a test asks for the engine-core process itself
+# (chapter 09); spawning one per test would cost seconds each.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU). Read when a
+# kernel is decorated, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_SHAPES = dict(
     vocab_size=512,
