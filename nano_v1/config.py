@@ -156,6 +156,56 @@ class DeviceConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding with an n-gram (prompt lookup) proposer (chapter 10).
+
+    Mirrors vllm/config/speculative.py, which also knows draft models, EAGLE and MTP; we
+    keep only `method="ngram"`. Each step a request verifies up to
+    `num_speculative_tokens` drafts, copied from what followed the latest earlier
+    occurrence of its last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram' (the only proposer here), got {self.method!r}.")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value > 0):
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}.")
+        # vLLM's defaults: one bound given means both; none means 5.
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})."
+            )
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any] | str) -> "SpeculativeConfig":
+        """From `LLM(speculative_config={...})` or the CLI's JSON string."""
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {config!r}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; nano_v1 accepts {sorted(known)}.")
+        return cls(**config)
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, one slice per part (vLLM: VllmConfig)."""
 
@@ -163,6 +213,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -187,6 +238,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -244,6 +296,9 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(self.device),
+            speculative_config=None
+            if self.speculative_config is None
+            else SpeculativeConfig.from_dict(self.speculative_config),
         )
 
     @staticmethod

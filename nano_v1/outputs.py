@@ -30,6 +30,14 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]]] | None = None
 
 
+@dataclass(slots=True)
+class DraftTokenIds:
+    """Draft tokens the proposer made after a step, for the scheduler to schedule next (chapter 10)."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]  # per request; [] for none
+
+
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 

@@ -5,7 +5,8 @@ diff and its own samples). It simulates the paged KV cache as a table slot -> to
 checks, every step, that each scheduled request's whole context is present in its
 blocks. Its "model" is a deterministic function of the token history, so the final
 outputs must equal a direct computation no matter how requests were chunked, preempted
-or served from the prefix cache.
+or served from the prefix cache. With `num_spec_tokens > 0` it also proposes random
+drafts (right or wrong) and verifies them exactly, as speculative decoding does (chapter 10).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_v1.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from nano_v1.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
-from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
 
@@ -44,24 +45,29 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
 class FakeModelRunner:
     """Holds per-request state from the scheduler's diffs and a slot -> token KV memory."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, num_spec_tokens: int = 0, rng: random.Random | None = None) -> None:
         self.block_size = block_size
         self.kv: dict[int, int] = {}  # slot -> token whose KV lives there
         self.tokens: dict[str, list[int]] = {}
         self.block_ids: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        self.max_tokens: dict[str, int] = {}
+        self.num_spec_tokens = num_spec_tokens
+        self.rng = rng
+        self.draft_token_ids: DraftTokenIds | None = None
 
     def slot(self, req_id: str, pos: int) -> int:
         return self.block_ids[req_id][pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
-            for d in (self.tokens, self.block_ids, self.num_computed):
+            for d in (self.tokens, self.block_ids, self.num_computed, self.max_tokens):
                 d.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.block_ids[new.req_id] = list(new.block_ids)
             self.num_computed[new.req_id] = new.num_computed_tokens
+            self.max_tokens[new.req_id] = len(new.prompt_token_ids) + new.sampling_params.max_tokens
         cached = so.scheduled_cached_reqs
         for rid, resumed, new_blocks, computed in zip(
             cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
@@ -79,25 +85,53 @@ class FakeModelRunner:
         for rid in req_ids:
             start, n = self.num_computed[rid], so.num_scheduled_tokens[rid]
             tokens = self.tokens[rid]
-            assert n >= 1 and start + n <= len(tokens), (rid, start, n, len(tokens))
-            # A prefix-cache hit must have handed us blocks that already hold our tokens.
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            context = tokens + drafts
+            assert n >= 1 and start + n <= len(context), (rid, start, n, len(tokens), drafts)
+            assert not drafts or start + n == len(context), "drafts are scheduled whole, after every known token"
+            # A prefix-cache hit must have handed us blocks that already hold our tokens, and
+            # a rejected draft's slot must have been rewritten before it counts as computed.
             for pos in range(start):
                 assert self.kv.get(self.slot(rid, pos)) == tokens[pos], f"{rid}: stale KV at position {pos}"
             for pos in range(start, start + n):
-                self.kv[self.slot(rid, pos)] = tokens[pos]
-            self.num_computed[rid] = start + n
-            if start + n == len(tokens):
-                tok = next_token(tokens)
-                tokens.append(tok)
-                sampled.append([tok])
-            else:
+                self.kv[self.slot(rid, pos)] = context[pos]
+            if start + n < len(tokens):
+                self.num_computed[rid] = start + n
                 sampled.append([])  # a prefill chunk short of the last prompt token
+                continue
+            # Exact verification: keep drafts while they equal the model's own next token.
+            new_tokens = []
+            for draft in [*drafts, None]:  # None: the bonus position after the last draft
+                new_tokens.append(next_token(tokens))
+                tokens.append(new_tokens[-1])
+                if new_tokens[-1] != draft:
+                    break
+            assert len(tokens) <= self.max_tokens[rid], f"{rid}: drafts took it past max_tokens"
+            self.num_computed[rid] = len(tokens) - 1  # KV is valid up to the last kept draft
+            sampled.append(new_tokens)
+        if self.num_spec_tokens:
+            self.draft_token_ids = DraftTokenIds(req_ids, [self.propose(r) if s else [] for r, s in zip(req_ids, sampled)])
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
 
+    def propose(self, req_id: str) -> list[int]:
+        """Up to k drafts, each the true continuation (70%) or a random token."""
+        tokens = list(self.tokens[req_id])
+        drafts = []
+        for _ in range(self.rng.randint(0, self.num_spec_tokens)):
+            drafts.append(next_token(tokens) if self.rng.random() < 0.7 else self.rng.randrange(VOCAB))
+            tokens.append(drafts[-1])
+        return drafts
 
-def make_scheduler(num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs"):
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        draft_token_ids, self.draft_token_ids = self.draft_token_ids, None
+        return draft_token_ids
+
+
+def make_scheduler(
+    num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs", num_spec_tokens=0
+):
     config = EngineConfig.__new__(EngineConfig)
     config.cache_config = CacheConfig(
         block_size=block_size, enable_prefix_caching=caching, num_gpu_blocks=num_blocks
@@ -110,6 +144,8 @@ def make_scheduler(num_blocks, block_size, budget, max_seqs, max_model_len, cach
         policy=policy,
     )
     config.device_config = DeviceConfig("cpu")
+    if num_spec_tokens:
+        config.speculative_config = SpeculativeConfig(num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1)
     return Scheduler(config)
 
 
@@ -128,7 +164,7 @@ def check_kv_invariants(sched: Scheduler) -> None:
 
 
 def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Random, max_steps: int = 5000):
-    runner = FakeModelRunner(sched.block_size)
+    runner = FakeModelRunner(sched.block_size, sched.num_spec_tokens, rng)
     pending = list(requests)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     aborted: set[str] = set()
@@ -153,6 +189,9 @@ def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Rand
         check_kv_invariants(sched)
         for out in sched.update_from_output(so, runner.execute_model(so)).outputs:
             outputs[out.request_id].extend(out.new_token_ids)
+        draft_token_ids = runner.take_draft_token_ids()
+        if draft_token_ids is not None:
+            sched.update_draft_token_ids(draft_token_ids)
         check_kv_invariants(sched)
     # Every block is back in the free queue once nothing is running.
     pool = sched.kv_cache_manager.block_pool

@@ -227,19 +227,25 @@ def max_warm_up_steps(batch_size: int, context_len: int) -> int:
     return math.ceil(batch_size * context_len / (MAX_NUM_BATCHED_TOKENS - batch_size)) + 2
 
 
-def time_decode_steps(engine, prompts: list[list[int]], num_steps: int) -> tuple[list[float], list[float]]:
+def time_decode_steps(
+    engine, prompts: list[list[int]], num_steps: int, num_spec_tokens: int = 0
+) -> tuple[list[float], list[float]]:
     """Add one request per prompt, step until all decode, then time `num_steps` steps.
 
     Returns the seconds of each whole `LLMEngine.step()` and of the worker's `execute_model`
     inside it; the requests are aborted afterwards. Raises if a timed step was not a pure
-    decode step of the whole batch.
+    decode step of the whole batch, each request verifying `num_spec_tokens` drafts
+    (speculative decoding, chapter 10) when that is not 0.
     """
     from nano_v1 import SamplingParams
 
     batch_size = len(prompts)
     max_warm_up = max_warm_up_steps(batch_size, len(prompts[0]))
-    # A request prefilled in the first step decodes through every later step: enough tokens for all of them.
-    params = SamplingParams(temperature=0.0, max_tokens=max_warm_up + num_steps + 1, ignore_eos=True)
+    tokens_per_step = batch_size * (1 + num_spec_tokens)
+    # A request prefilled in the first step decodes through every later step, gaining up
+    # to 1 + num_spec_tokens tokens in each: enough tokens for all of them.
+    max_tokens = (max_warm_up + num_steps) * (1 + num_spec_tokens) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     request_ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
     for request_id, prompt in zip(request_ids, prompts):
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
@@ -263,7 +269,7 @@ def time_decode_steps(engine, prompts: list[list[int]], num_steps: int) -> tuple
     try:
         for _ in range(max_warm_up):
             engine.step()
-            if scheduled_tokens[-2:] == [batch_size, batch_size]:
+            if scheduled_tokens[-2:] == [tokens_per_step, tokens_per_step]:
                 break
         runner_s.clear()
         scheduled_tokens.clear()
@@ -274,9 +280,9 @@ def time_decode_steps(engine, prompts: list[list[int]], num_steps: int) -> tuple
     finally:
         del worker.execute_model  # back to the class's method
         engine.abort_request(request_ids)
-    if scheduled_tokens != [batch_size] * num_steps:
+    if scheduled_tokens != [tokens_per_step] * num_steps:
         raise RuntimeError(
-            f"batch size {batch_size}: the timed steps scheduled {scheduled_tokens} tokens, not {batch_size} "
+            f"batch size {batch_size}: the timed steps scheduled {scheduled_tokens} tokens, not {tokens_per_step} "
             "each: they were not all pure decode steps of the whole batch."
         )
     return step_s, runner_s
@@ -384,6 +390,14 @@ def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
     model = dummy_hf_model(model_dir, engine_args.create_engine_config().model_config.dtype, ctx.device)
     result = run_generate_batch(model, requests, MAX_NUM_BATCHED_TOKENS, use_cuda_graph=True if ctx.on_cuda else None)
     return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, engine_args)
+
+
+@register("spec_decode_verify_cost", cap_s=60, needs_cuda=True)
+def spec_decode_verify_cost(ctx: SuiteContext) -> dict[str, Any]:
+    """Step time verifying 1 + k tokens per request vs a plain decode step (0.6B shape), and the break-even acceptance rate."""
+    from nano_v1.benchmarks.spec_decode import verify_cost_sweep
+
+    return verify_cost_sweep(ctx)
 
 
 def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):

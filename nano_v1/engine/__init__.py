@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nano_v1.metrics.stats import SchedulerStats
 from nano_v1.sampling_params import SamplingParams
 
 
@@ -48,3 +49,5 @@ class EngineCoreOutputs:
     """One step's outputs."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # Counts the frontend aggregates (chapter 10); None when the step has none.
+    scheduler_stats: SchedulerStats | None = None

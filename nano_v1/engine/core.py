@@ -85,7 +85,19 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.post_step(model_executed=scheduler_output.total_num_scheduled_tokens > 0)
+        return engine_core_outputs
+
+    def post_step(self, model_executed: bool) -> None:
+        """Give the scheduler the drafts proposed during the step (speculative decoding, chapter 10).
+
+        After `update_from_output`, so that the drafts follow the tokens just accepted.
+        """
+        if model_executed and self.engine_config.speculative_config is not None:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -18,8 +18,11 @@ from nano_v1.engine import EngineCoreRequest
 from nano_v1.engine.core_client import EngineCoreClient
 from nano_v1.engine.output_processor import OutputProcessor
 from nano_v1.engine.processor import Processor, PromptType, load_tokenizer
+from nano_v1.metrics.reader import Metric, spec_decoding_metrics
+from nano_v1.metrics.stats import SchedulerStats
 from nano_v1.outputs import RequestOutput
 from nano_v1.sampling_params import SamplingParams
+from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 
 class LLMEngine:
@@ -29,6 +32,11 @@ class LLMEngine:
         self.processor = Processor(engine_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(engine_config)
+        # Running totals of the core's per-step statistics, read by get_metrics().
+        speculative_config = engine_config.speculative_config
+        self.spec_decoding_stats = (
+            None if speculative_config is None else SpecDecodingStats.new(speculative_config.num_speculative_tokens)
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -86,7 +94,17 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(processed.reqs_to_abort)
+        if outputs.scheduler_stats is not None:
+            self._record_stats(outputs.scheduler_stats)
         return processed.request_outputs
+
+    def _record_stats(self, scheduler_stats: SchedulerStats) -> None:
+        if scheduler_stats.spec_decoding_stats is not None:
+            self.spec_decoding_stats.add(scheduler_stats.spec_decoding_stats)
+
+    def get_metrics(self) -> list[Metric]:
+        """Totals since the engine started, as vLLM names them (speculative decoding only, for now)."""
+        return [] if self.spec_decoding_stats is None else spec_decoding_metrics(self.spec_decoding_stats)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parent_requests)

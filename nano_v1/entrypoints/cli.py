@@ -1,4 +1,4 @@
-"""The `nano-v1` command: `generate`, and `bench throughput | scheduler`.
+"""The `nano-v1` command: `generate`, and `bench throughput | scheduler | spec`.
 
 Mirrors vllm/entrypoints/cli/ (chapters 01 and 09).
 
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a peer and writes JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from nano_v1.benchmarks import scheduler_overhead, throughput
+    from nano_v1.benchmarks import scheduler_overhead, spec_decode, throughput
 
-    for module in (throughput, scheduler_overhead):
+    for module in (throughput, scheduler_overhead, spec_decode):
         p = bench_sub.add_parser(module.NAME, help=module.__doc__.splitlines()[0])
         module.add_cli_args(p)
         if module.USES_ENGINE_ARGS:

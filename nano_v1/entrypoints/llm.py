@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from nano_v1.config import EngineArgs
 from nano_v1.engine.llm_engine import LLMEngine
 from nano_v1.engine.processor import PromptType
+from nano_v1.metrics.reader import Metric
 from nano_v1.outputs import RequestOutput
 from nano_v1.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,6 +37,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's counters since it started, e.g. speculative decoding's
+        `vllm:spec_decode_num_accepted_tokens` (see nano_v1/metrics/reader.py)."""
+        return self.llm_engine.get_metrics()
 
     def generate(
         self,

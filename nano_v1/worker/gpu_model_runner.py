@@ -28,9 +28,12 @@ from nano_v1.config import EngineConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.forward_context import set_forward_context
 from nano_v1.model_executor.model_loader import get_model
-from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 from nano_v1.sample.metadata import SamplingMetadata
+from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nano_v1.sample.sampler import Sampler, SamplerOutput
+from nano_v1.spec_decode.metadata import SpecDecodeMetadata, segment_arange
+from nano_v1.spec_decode.ngram_proposer import NgramProposer
 from nano_v1.worker.block_table import CpuGpuBuffer
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
@@ -59,6 +62,11 @@ class GPUModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.attn_metadata_builder = FlashAttentionMetadataBuilder(device)
         self.sampler = Sampler()
+        # Speculative decoding (chapter 10): drafts proposed after each step, verified in the next.
+        speculative_config = engine_config.speculative_config
+        self.drafter = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.rejection_sampler = RejectionSampler()
+        self._draft_token_ids: list[list[int]] | None = None
 
         # Every request the runner knows, in the batch or preempted; dropped when finished.
         self.requests: dict[str, CachedRequestState] = {}
@@ -120,12 +128,14 @@ class GPUModelRunner:
 
         A forward over `max_num_batched_tokens` tokens (attention metadata None: the
         layers attend within the batch and write no cache), then logits and a sample
-        with top-k and top-p for `max_num_seqs` rows, the sampler's worst case (a sort).
+        with top-k and top-p for `max_num_seqs` rows (times 1 + k with k speculative
+        tokens), the sampler's worst case (a sort).
         """
         num_tokens = self.max_num_tokens
         with set_forward_context(None):
             hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
-        num_reqs = min(self.max_num_reqs, num_tokens)
+        # Logits rows: one per request, and with speculative decoding one per draft too (chapter 10).
+        num_reqs = min(self.max_num_reqs * (1 + (self.drafter.k if self.drafter else 0)), num_tokens)
         logits = self.model.compute_logits(hidden_states[:num_reqs])
         vocab_size = logits.shape[-1]
         self.sampler(
@@ -218,6 +228,14 @@ class GPUModelRunner:
         if batch_changed:
             input_batch.refresh_sampling_metadata()
 
+        # Drafts to verify go right after the request's known tokens in the token table,
+        # where _prepare_inputs gathers input ids; num_tokens does not count them, so
+        # the next sampled tokens overwrite them.
+        for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+            req_index = input_batch.req_id_to_index[req_id]
+            start = input_batch.num_tokens[req_index]
+            input_batch.token_ids_cpu[req_index, start : start + len(spec_token_ids)] = spec_token_ids
+
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[CommonAttentionMetadata, torch.Tensor, np.ndarray]:
@@ -293,17 +311,111 @@ class GPUModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
         common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
+        spec_decode_metadata = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
+            logits_indices = spec_decode_metadata.logits_indices
         attn_metadata = self.attn_metadata_builder.build(
             common_prefix_len=0, common_attn_metadata=common_attn_metadata
         )
         num_tokens = common_attn_metadata.num_actual_tokens
         with set_forward_context(attn_metadata):
             hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
-        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, vocab]
+        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
+        sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
+        output = self._bookkeeping(sampler_output, discard_req_indices)
+        if self.drafter is not None:
+            self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
+        return output
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        spec_decode_metadata: SpecDecodeMetadata | None,
+        discard_req_indices: np.ndarray,
+    ) -> SamplerOutput:
+        """One token per request; with drafts, the rejection sampler's verdict on them too.
+
+        The plain sampler always runs on one row per request (the bonus rows when there
+        are drafts); the rejection sampler then keeps a prefix of each request's drafts
+        and decides what follows it.
+        """
+        sampling_metadata = self._sampling_metadata_for_step(discard_req_indices)
+        bonus_logits = logits if spec_decode_metadata is None else logits[spec_decode_metadata.bonus_logits_indices]
         if self.min_tokens_req_ids:
-            self._apply_min_tokens(logits)
-        sampler_output = self.sampler(logits, self._sampling_metadata_for_step(discard_req_indices))
-        return self._bookkeeping(sampler_output, discard_req_indices)
+            self._apply_min_tokens(bonus_logits)
+        sampler_output = self.sampler(bonus_logits, sampling_metadata)
+        if spec_decode_metadata is not None:
+            sampler_output.sampled_token_ids = self.rejection_sampler(
+                spec_decode_metadata,
+                logits[spec_decode_metadata.target_logits_indices],
+                sampler_output.sampled_token_ids,
+                sampling_metadata,
+            )
+        return sampler_output
+
+    def _calc_spec_decode_metadata(self, scheduler_output: SchedulerOutput) -> SpecDecodeMetadata:
+        """Which logits rows verify which drafts; numpy over the batch, one loop over requests with drafts.
+
+        E.g. requests scheduled for [3, 1, 2] tokens with [2, 0, 1] drafts: a request
+        with k drafts needs logits at its last k + 1 tokens.
+            cu_num_tokens          [3, 4, 6]
+            logits_indices         [0, 1, 2, 3, 4, 5]   (flat token of each logits row)
+            target_logits_indices  [0, 1, 4]            (rows verifying a draft)
+            bonus_logits_indices   [2, 3, 5]            (rows after the last draft)
+            draft_token_ids        input_ids[[1, 2, 5]] (the token after each verifying row)
+        """
+        input_batch = self.input_batch
+        num_reqs = input_batch.num_reqs
+        num_draft_tokens = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+            num_draft_tokens[input_batch.req_id_to_index[req_id]] = len(spec_token_ids)
+        cu_num_tokens = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
+        num_sampled_tokens = num_draft_tokens + 1
+        cu_num_sampled_tokens = np.cumsum(num_sampled_tokens)
+        logits_indices = np.repeat(cu_num_tokens - num_sampled_tokens, num_sampled_tokens) + segment_arange(
+            num_sampled_tokens
+        )
+        target_logits_indices = np.repeat(cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens) + segment_arange(
+            num_draft_tokens
+        )
+        draft_token_ids = self.input_ids.np[logits_indices[target_logits_indices] + 1]
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device)
+
+        return SpecDecodeMetadata(
+            draft_token_ids=to_device(draft_token_ids),
+            num_draft_tokens=num_draft_tokens,
+            cu_num_draft_tokens=np.cumsum(num_draft_tokens),
+            target_logits_indices=to_device(target_logits_indices),
+            bonus_logits_indices=to_device(cu_num_sampled_tokens - 1),
+            logits_indices=to_device(logits_indices),
+        )
+
+    def propose_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """Next step's drafts, per row, from the tokens now in the persistent batch.
+
+        Requests that want logprobs, or may not stop yet (min_tokens), get none: their
+        drafts would need per-position logprobs and stop masks (vLLM excludes similar
+        settings, see vllm/v1/spec_decode/utils.py).
+        """
+        input_batch = self.input_batch
+        return self.drafter.propose(
+            sampled_token_ids,
+            input_batch.req_ids,
+            input_batch.num_tokens,
+            input_batch.token_ids_cpu,
+            input_batch.num_logprobs.keys() | self.min_tokens_req_ids,
+        )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Hand the drafts of the last step to the scheduler (once)."""
+        if self._draft_token_ids is None:
+            return None
+        draft_token_ids = DraftTokenIds(list(self.input_batch.req_ids), self._draft_token_ids)
+        self._draft_token_ids = None
+        return draft_token_ids
 
     def _apply_min_tokens(self, logits: torch.Tensor) -> None:
         """Forbid stop tokens (EOS included) for requests short of their `min_tokens`.
@@ -336,23 +448,28 @@ class GPUModelRunner:
     def _bookkeeping(
         self, sampler_output: SamplerOutput, discard_req_indices: np.ndarray
     ) -> ModelRunnerOutput:
-        """Keep each row's sample (unless discarded) in the persistent batch and its state."""
+        """Keep each row's tokens (unless discarded) in the persistent batch and its state.
+
+        A row keeps one token, or with drafts 1 .. k + 1: a prefix of its sampled row,
+        placeholders after it.
+        """
         input_batch = self.input_batch
         req_ids = input_batch.req_ids
         # The step's one device -> host synchronisation.
-        sampled_np = sampler_output.sampled_token_ids.view(-1).cpu().numpy()  # [num_reqs]
-        sampled_token_ids: list[list[int]] = sampled_np[:, None].tolist()
-        for i in discard_req_indices:
-            sampled_token_ids[i] = []
-        kept = np.ones(len(req_ids), dtype=bool)
-        kept[discard_req_indices] = False
-        rows = np.flatnonzero(kept)
-        ends = input_batch.num_tokens[rows]
-        assert (ends < self.max_model_len).all(), "the scheduler let a request outgrow max_model_len"
-        input_batch.token_ids_cpu[rows, ends] = sampled_np[rows]
-        input_batch.num_tokens[rows] += 1
-        for i in rows:
-            self.requests[req_ids[i]].output_token_ids.append(sampled_token_ids[i][0])
+        sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs, 1 + max_spec_len]
+        num_sampled = (sampled_np != PLACEHOLDER_TOKEN_ID).sum(axis=1)
+        num_sampled[discard_req_indices] = 0
+        sampled_token_ids: list[list[int]] = [row[:n] for row, n in zip(sampled_np.tolist(), num_sampled.tolist())]
+        # One scatter for the whole batch: row r's tokens go after its num_tokens[r] known ones.
+        rows = np.repeat(np.arange(len(req_ids)), num_sampled)
+        offsets = segment_arange(num_sampled)
+        positions = input_batch.num_tokens[rows] + offsets
+        assert (positions < self.max_model_len).all(), "the scheduler let a request outgrow max_model_len"
+        input_batch.token_ids_cpu[rows, positions] = sampled_np[rows, offsets]
+        input_batch.num_tokens[: len(req_ids)] += num_sampled.astype(np.int32)
+        kept = num_sampled > 0
+        for i in np.flatnonzero(kept):
+            self.requests[req_ids[i]].output_token_ids.extend(sampled_token_ids[i])
         return ModelRunnerOutput(
             req_ids=list(req_ids),
             req_id_to_index=dict(input_batch.req_id_to_index),

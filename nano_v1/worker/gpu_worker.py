@@ -17,7 +17,7 @@ import torch
 
 from nano_v1.config import EngineConfig
 from nano_v1.core.sched.output import SchedulerOutput
-from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger(__name__)
@@ -102,3 +102,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self.model_runner.take_draft_token_ids()

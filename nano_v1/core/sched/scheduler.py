@@ -30,8 +30,10 @@ from nano_v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from nano_v1.core.sched.request_queue import create_request_queue
 from nano_v1.core.sched.utils import check_stop
 from nano_v1.engine import EngineCoreOutput, EngineCoreOutputs
-from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.metrics.stats import SchedulerStats
+from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
+from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -46,7 +48,12 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
-        # Draft tokens per step; set by speculative decoding (chapter 10), 0 otherwise.
+        # Speculative decoding (chapter 10): at most num_spec_tokens drafts per request per
+        # step. N-gram drafts are known when the step is scheduled and are scheduled like
+        # any token, so they need no lookahead slots; vLLM reserves those only for
+        # proposers that write KV for drafts of their own during the step (EAGLE).
+        speculative_config = engine_config.speculative_config
+        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.num_lookahead_tokens = 0
 
         self.kv_cache_manager = KVCacheManager(
@@ -274,6 +281,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         req_id_to_index = model_runner_output.req_id_to_index
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        spec_decoding_stats: SpecDecodingStats | None = None
         requests = self.requests
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
@@ -282,8 +290,14 @@ class Scheduler:
             req_index = req_id_to_index[req_id]
             new_token_ids = sampled[req_index]
             if spec_tokens and req_id in spec_tokens:
-                # k drafts scheduled, len(new) - 1 accepted: the rest were computed for nothing.
-                request.num_computed_tokens -= len(spec_tokens[req_id]) + 1 - len(new_token_ids)
+                # k drafts scheduled, len(new) - 1 accepted. schedule() counted all k as
+                # computed; the rejected ones' KV slots will be overwritten by later tokens.
+                num_draft_tokens = len(spec_tokens[req_id])
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= num_draft_tokens - num_accepted
+                if spec_decoding_stats is None:
+                    spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+                spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
             if not new_token_ids:
                 continue  # a prefill chunk that has not reached the last prompt token
 
@@ -312,7 +326,23 @@ class Scheduler:
         if stopped:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
-        return EngineCoreOutputs(outputs=outputs)
+        scheduler_stats = None if spec_decoding_stats is None else SchedulerStats(spec_decoding_stats)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=scheduler_stats)
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Store the proposer's drafts on their requests; the next schedule() schedules them.
+
+        Drafts are clipped so that a step can never take a request past `max_tokens` or
+        `max_model_len`: k drafts can yield k + 1 tokens.
+        """
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished during the step
+            num_allowed = self.max_model_len - request.num_tokens
+            if request.max_tokens is not None:
+                num_allowed = min(num_allowed, request.max_tokens - request.num_output_tokens)
+            request.spec_token_ids = spec_token_ids[: max(num_allowed - 1, 0)]
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

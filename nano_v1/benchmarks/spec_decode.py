@@ -1,0 +1,269 @@
+"""Speculative decoding: acceptance and speed-up of n-gram drafts, and what verification costs.
+
+Mirrors the speculative-decoding benchmarks of vllm/benchmarks/ (chapter 10).
+
+Why it exists: speculation trades compute for steps. A step that verifies k drafts per
+request computes 1 + k tokens for each and keeps 1 to k + 1 of them, so it pays when
+the tokens gained per step grow faster than the cost of a step. Two measurements give
+both sides:
+  - CPU, the bundled demo model, greedy, on Python files the model never saw in
+    training (the stdlib's held-out split): acceptance rate and tokens per step against
+    k and the n-gram size, and the end-to-end speed-up against the same engine without
+    speculation, measured in the same run, with a check that outputs are identical;
+  - GPU (`verify_cost_sweep`, run by the GPU suite): on the Qwen3-0.6B shape, the time
+    of a step that verifies 1 + k tokens per request against a plain decode step, and
+    from their ratio the acceptance rate at which speculation starts to pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nano_v1.benchmarks.utils import write_json
+
+if TYPE_CHECKING:
+    from nano_v1.benchmarks.gpu_suite import SuiteContext
+
+NAME = "spec"
+USES_ENGINE_ARGS = False
+DEFAULT_KS = (1, 2, 3, 5)
+DEFAULT_LOOKUP_MAXES = (1, 2, 3, 4)
+
+
+# ---------------------------------------------------------------------------- CPU: the demo model
+def heldout_prompts(tokenizer, num_prompts: int, prompt_len: int) -> list[list[int]]:
+    """`prompt_len` tokens from a third of the way into each of the first held-out stdlib files
+    long enough (past the license header and imports, into the code)."""
+    from nano_v1.demo_model.corpus import corpus_files, read_sources, split_files
+
+    _, heldout = split_files(corpus_files())
+    prompts = []
+    for text in read_sources(heldout):
+        ids = tokenizer.encode(text, verbose=False)  # whole files exceed the model's context: no warning
+        if len(ids) >= 3 * prompt_len:
+            start = len(ids) // 3
+            prompts.append(ids[start : start + prompt_len])
+        if len(prompts) == num_prompts:
+            return prompts
+    raise ValueError(f"only {len(prompts)} held-out files have {3 * prompt_len} tokens; ask for fewer or shorter prompts.")
+
+
+def generate_and_count(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """One timed greedy `generate`, counting engine steps and request-steps (a request gaining tokens in a step)."""
+    from nano_v1 import SamplingParams
+
+    core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore
+    counts = {"num_steps": 0, "num_request_steps": 0}
+    step = core.step
+
+    def counted_step():
+        outputs = step()
+        counts["num_steps"] += 1
+        counts["num_request_steps"] += sum(1 for o in outputs.outputs if o.new_token_ids)
+        return outputs
+
+    core.step = counted_step
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall_s = time.perf_counter() - start
+    finally:
+        del core.step  # back to the class's method
+    token_ids = [o.outputs[0].token_ids for o in outputs]
+    num_output_tokens = sum(map(len, token_ids))
+    return {
+        "wall_s": wall_s,
+        "num_output_tokens": num_output_tokens,
+        **counts,
+        "tokens_per_request_step": num_output_tokens / counts["num_request_steps"],
+        "token_ids": token_ids,
+    }
+
+
+def run_cpu_sweep(
+    num_prompts: int = 8,
+    prompt_len: int = 256,
+    max_tokens: int = 128,
+    ks: tuple[int, ...] = DEFAULT_KS,
+    lookup_maxes: tuple[int, ...] = DEFAULT_LOOKUP_MAXES,
+    max_num_seqs: int | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Every (k, prompt_lookup_max) against no speculation, on the demo model.
+
+    Each speculative run is followed by a run of the baseline engine, and its speed-up is
+    taken against that neighbour (the machines are shared and noisy). Prefix caching is
+    off so that repeated runs of the same prompts cost the same. float32 by default: in
+    the checkpoint's bfloat16, a step verifying 4 tokens rounds differently from a step
+    decoding 1, and a near-tie between the top two logits can flip (chapter 10).
+    """
+    from nano_v1 import LLM
+    from nano_v1.metrics.reader import spec_decoding_stats_from_metrics
+
+    engine_args = {"max_model_len": prompt_len + max_tokens + 8, "enable_prefix_caching": False, "dtype": dtype,
+                   "max_num_seqs": max_num_seqs or num_prompts}
+    baseline = LLM(**engine_args)
+    prompts = heldout_prompts(baseline.get_tokenizer(), num_prompts, prompt_len)
+    generate_and_count(baseline, prompts[:1], 4)  # warm-up
+    reference = generate_and_count(baseline, prompts, max_tokens)
+    rows = []
+    for k in ks:
+        for lookup_max in lookup_maxes:
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": lookup_max}
+            llm = LLM(speculative_config=spec, **engine_args)
+            run = generate_and_count(llm, prompts, max_tokens)
+            peer = generate_and_count(baseline, prompts, max_tokens)
+            stats = spec_decoding_stats_from_metrics(llm.get_metrics())
+            rows.append({
+                "k": k,
+                "prompt_lookup_max": lookup_max,
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_acceptance_length": stats.mean_acceptance_length,
+                "accepted_per_position": [n / stats.num_drafts for n in stats.num_accepted_tokens_per_pos],
+                "tokens_per_request_step": run["tokens_per_request_step"],
+                "num_steps": run["num_steps"],
+                "steps_ratio": peer["num_steps"] / run["num_steps"],
+                "wall_s": run["wall_s"],
+                "baseline_wall_s": peer["wall_s"],
+                "speedup": peer["wall_s"] / run["wall_s"],
+                "identical_to_baseline": run["token_ids"] == reference["token_ids"],
+            })
+            del llm
+    return {
+        "model": "bundled demo model",
+        "dtype": str(baseline.llm_engine.engine_config.model_config.dtype).removeprefix("torch."),
+        "workload": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
+                     "max_num_seqs": engine_args["max_num_seqs"], "prompts": "held-out stdlib files"},
+        "baseline": {key: reference[key] for key in ("wall_s", "num_steps", "tokens_per_request_step")},
+        "rows": rows,
+    }
+
+
+def print_sweep(report: dict[str, Any]) -> None:
+    w = report["workload"]
+    print(f"{report['model']} ({report['dtype']}), {w['num_prompts']} prompts of {w['prompt_len']} tokens, "
+          f"{w['max_tokens']} new tokens, batch {w['max_num_seqs']}: baseline {report['baseline']['num_steps']} "
+          f"steps, {report['baseline']['wall_s']:.2f} s")
+    print(f"{'k':>3}{'n max':>6}{'accept':>8}{'mean len':>9}{'tok/step':>9}{'steps x':>8}{'speed-up':>9}{'same':>6}")
+    for r in report["rows"]:
+        print(f"{r['k']:>3}{r['prompt_lookup_max']:>6}{r['acceptance_rate']:>8.2f}{r['mean_acceptance_length']:>9.2f}"
+              f"{r['tokens_per_request_step']:>9.2f}{r['steps_ratio']:>8.2f}{r['speedup']:>9.2f}"
+              f"{r['identical_to_baseline']!s:>6}")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ks", type=int, nargs="+", default=list(DEFAULT_KS), help="num_speculative_tokens values")
+    parser.add_argument("--lookup-maxes", type=int, nargs="+", default=list(DEFAULT_LOOKUP_MAXES),
+                        help="prompt_lookup_max values (prompt_lookup_min is 1)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default: all prompts at once)")
+    parser.add_argument("--dtype", default="float32", help="float32: greedy outputs comparable token for token")
+    parser.add_argument("--output-json", type=str, default=None, help="write the results here")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the CPU sweep from parsed CLI flags; print a table, write JSON, return the results."""
+    report = run_cpu_sweep(args.num_prompts, args.prompt_len, args.max_tokens, tuple(args.ks),
+                           tuple(args.lookup_maxes), args.max_num_seqs, args.dtype)
+    report["benchmark"] = NAME
+    print_sweep(report)
+    if args.output_json:
+        write_json(args.output_json, report)
+    return report
+
+
+# ---------------------------------------------------------------------------- GPU: the cost of verifying
+def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
+    """Tokens a request gains per step with k drafts, each accepted independently with probability a:
+    1 + a + a^2 + ... + a^k (the run of acceptances, then the target's own token)."""
+    return float(sum(acceptance_rate**i for i in range(k + 1)))
+
+
+def break_even_acceptance_rate(cost_ratio: float, k: int) -> float:
+    """The acceptance rate at which k drafts gain exactly `cost_ratio` tokens per step (bisection).
+
+    `cost_ratio` is the time of a step verifying 1 + k tokens per request over a plain
+    decode step; above the returned rate, speculation is faster. NaN if even accepting
+    every draft (k + 1 tokens per step) would not pay.
+    """
+    if cost_ratio <= 1.0:
+        return 0.0
+    if cost_ratio >= k + 1:
+        return float("nan")
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens_per_step(mid, k) < cost_ratio else (low, mid)
+    return (low + high) / 2
+
+
+def verify_cost_sweep(
+    ctx: SuiteContext,
+    batch_sizes: list[int] | None = None,
+    ks: list[int] | None = None,
+    context_len: int | None = None,
+    num_steps: int | None = None,
+) -> dict[str, Any]:
+    """Step time verifying 1 + k tokens per request vs a plain decode step, Qwen3-0.6B shape.
+
+    One engine with k_max speculative tokens; its proposer is replaced by one that always
+    proposes exactly k drafts of token 0 (a dummy model almost never agrees), so every
+    timed step verifies 1 + k tokens per request and keeps about 1. k = 0 is the plain
+    decode step of the same engine. Times come from the GPU suite's `time_decode_steps`.
+    Sizes default to the suite's (smoke or full); the notebook passes its own for the CPU.
+    """
+    from nano_v1 import LLM
+    from nano_v1.benchmarks.gpu_suite import max_warm_up_steps, time_decode_steps
+    from nano_v1.benchmarks.roofline import ModelShape
+
+    batch_sizes = batch_sizes or ([1, 2] if ctx.smoke else [1, 4, 16, 64])
+    ks = ks or ([0, 2] if ctx.smoke else [0, 1, 3, 5])
+    assert ks[0] == 0, "k = 0, the plain decode step, is the reference and comes first"
+    context_len = context_len or (32 if ctx.smoke else 512)
+    num_steps = num_steps or (2 if ctx.smoke else 10)
+    model_dir = ctx.model_dir("qwen3-0.6b")
+    label = "tiny Qwen3 (smoke)" if ctx.smoke else "qwen3-0.6b"
+    vocab_size = ModelShape.from_pretrained(model_dir).vocab_size
+    # Every timed step may gain up to k + 1 tokens: room for all of them.
+    max_model_len = context_len + (max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2) * (max(ks) + 1)
+    llm = LLM(**dataclasses.asdict(ctx.engine_args(
+        model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)},
+    )))
+    engine = llm.llm_engine
+    drafter = engine.engine_core.engine_core.model_executor.model_runner.drafter
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = ctx.partial.setdefault("rows", [])
+    for batch_size in batch_sizes:
+        prompts = rng.integers(0, vocab_size, (batch_size, context_len)).tolist()
+        step_ms = {}
+        for k in ks:
+            if rows and ctx.time_left() < 4 * rows[-1]["wall_s"]:
+                ctx.partial["truncated"] = f"stopped before batch size {batch_size}, k={k}: the time cap was near"
+                return {"model": label, **ctx.partial}
+            start = time.perf_counter()
+            drafter.propose = lambda sampled, *_, k=k: [[0] * k if s else [] for s in sampled]
+            step_s, runner_s = time_decode_steps(engine, prompts, num_steps, num_spec_tokens=k)
+            step_ms[k] = 1e3 * float(np.median(step_s))
+            ratio = step_ms[k] / step_ms[0]
+            rows.append({
+                "batch_size": batch_size,
+                "k": k,
+                "step_ms": step_ms[k],
+                "execute_model_ms": 1e3 * float(np.median(runner_s)),
+                "cost_ratio": ratio,
+                "break_even_acceptance_rate": break_even_acceptance_rate(ratio, k) if k else None,
+                "wall_s": time.perf_counter() - start,
+            })
+            print(f"  verify B={batch_size:>3} k={k}: step {step_ms[k]:8.3f} ms, {ratio:5.2f}x a decode step"
+                  + (f", pays above acceptance {rows[-1]['break_even_acceptance_rate']:.2f}" if k else ""))
+    return {"model": label, "context_len": context_len, "num_timed_steps": num_steps, **ctx.partial}

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers, verification metadata and acceptance statistics (chapter 10)."""
