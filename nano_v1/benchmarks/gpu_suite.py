@@ -294,6 +294,14 @@ def decode_latency_qwen3_4b(ctx: SuiteContext) -> dict[str, Any]:
     return decode_latency_sweep(ctx, "qwen3-4b")
 
 
+@register("attention_kernels", cap_s=60, needs_cuda=True)
+def attention_kernels(ctx: SuiteContext) -> dict[str, Any]:
+    """Triton paged attention vs gather+SDPA, prefill/decode/mixed batches, Qwen3-0.6B attention shape."""
+    from nano_v1.benchmarks.attention_kernels import run_attention_kernels
+
+    return run_attention_kernels(ctx.device, ctx.ceilings(), smoke=ctx.smoke)
+
+
 def throughput_workload(ctx: SuiteContext, vocab_size: int) -> tuple[list[BenchRequest], dict[str, Any]]:
     """nano-vllm's workload (random prompts, lengths uniform in [100, 1024]); tiny in smoke mode.
 
