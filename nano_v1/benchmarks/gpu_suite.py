@@ -177,7 +177,7 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
     context_len, num_steps = (32, 2) if ctx.smoke else (512, 20)
     model_dir = ctx.model_dir(config_name)
     shape = ModelShape.from_pretrained(model_dir)
-    max_model_len = context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 1
+    max_model_len = context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2
     llm = LLM(**dataclasses.asdict(ctx.engine_args(
         model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
     )))
@@ -227,19 +227,23 @@ def max_warm_up_steps(batch_size: int, context_len: int) -> int:
     return math.ceil(batch_size * context_len / (MAX_NUM_BATCHED_TOKENS - batch_size)) + 2
 
 
-def time_decode_steps(engine, prompts: list[list[int]], num_steps: int) -> tuple[list[float], list[float]]:
+def time_decode_steps(
+    engine, prompts: list[list[int]], num_steps: int, after_timed_steps: Callable[[], None] | None = None
+) -> tuple[list[float], list[float]]:
     """Add one request per prompt, step until all decode, then time `num_steps` steps.
 
     Returns the seconds of each whole `LLMEngine.step()` and of the worker's `execute_model`
     inside it; the requests are aborted afterwards. Raises if a timed step was not a pure
-    decode step of the whole batch.
+    decode step of the whole batch. `after_timed_steps` runs right after the timed steps,
+    while the batch still decodes (it may take one more step, e.g. under a profiler).
     """
     from nano_v1 import SamplingParams
 
     batch_size = len(prompts)
     max_warm_up = max_warm_up_steps(batch_size, len(prompts[0]))
-    # A request prefilled in the first step decodes through every later step: enough tokens for all of them.
-    params = SamplingParams(temperature=0.0, max_tokens=max_warm_up + num_steps + 1, ignore_eos=True)
+    # A request prefilled in the first step decodes through every later step: enough tokens for all
+    # of them, and for one more after the timed steps.
+    params = SamplingParams(temperature=0.0, max_tokens=max_warm_up + num_steps + 2, ignore_eos=True)
     request_ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
     for request_id, prompt in zip(request_ids, prompts):
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
@@ -271,8 +275,11 @@ def time_decode_steps(engine, prompts: list[list[int]], num_steps: int) -> tuple
             t0 = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t0)
-    finally:
         del worker.execute_model  # back to the class's method
+        if after_timed_steps is not None:
+            after_timed_steps()
+    finally:
+        worker.__dict__.pop("execute_model", None)  # if a step raised before the del above
         engine.abort_request(request_ids)
     if scheduled_tokens != [batch_size] * num_steps:
         raise RuntimeError(
@@ -392,6 +399,14 @@ def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
     model = dummy_hf_model(model_dir, engine_args.create_engine_config().model_config.dtype, ctx.device)
     result = run_generate_batch(model, requests, MAX_NUM_BATCHED_TOKENS, use_cuda_graph=True if ctx.on_cuda else None)
     return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, engine_args)
+
+
+@register("cuda_graphs", cap_s=120, needs_cuda=True)
+def cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
+    """Decode-step latency, kernel launches and host time per step: eager vs piecewise vs full CUDA graphs."""
+    from nano_v1.benchmarks.cuda_graphs import measure_cuda_graphs
+
+    return measure_cuda_graphs(ctx)
 
 
 def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):

@@ -30,6 +30,7 @@ class EngineCore:
         self.model_executor.init_device()
         self.model_executor.load_model()
         self._initialize_kv_caches()
+        self.model_executor.compile_or_warm_up_model()
         self.scheduler = Scheduler(engine_config)
         cache_config = engine_config.cache_config
         self.request_block_hasher = (
