@@ -49,6 +49,11 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
     enforce_eager: bool = False
+    # Which kernels attend (chapters 06 and 07): "torch" (the plain-PyTorch reference) or
+    # "triton"; None picks Triton on CUDA and the reference on CPU (resolved by EngineArgs).
+    attention_backend: str | None = None
+    # Never run cascade attention over a shared prefix, even where the model says it pays (chapter 07).
+    disable_cascade_attn: bool = False
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +182,8 @@ class EngineArgs:
     max_model_len: int | None = None
     load_format: str = "auto"
     enforce_eager: bool = False
+    attention_backend: str | None = None
+    disable_cascade_attn: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -197,6 +204,12 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        device_config = DeviceConfig(self.device)
+        attention_backend = self.attention_backend
+        if attention_backend is None:
+            attention_backend = "triton" if device_config.device.startswith("cuda") else "torch"
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}.")
         model_config = ModelConfig(
             model=os.fspath(self.model),
             tokenizer=self.tokenizer,
@@ -205,6 +218,8 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
+            attention_backend=attention_backend,
+            disable_cascade_attn=self.disable_cascade_attn,
         )
         self._check_positive("block_size", self.block_size)
         self._check_positive("max_num_seqs", self.max_num_seqs)
@@ -243,7 +258,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            device_config=DeviceConfig(self.device),
+            device_config=device_config,
         )
 
     @staticmethod
