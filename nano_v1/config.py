@@ -54,6 +54,11 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
     enforce_eager: bool = False
+    # Which kernels attend (chapters 06 and 07): "torch" (the plain-PyTorch reference) or
+    # "triton"; None picks Triton on CUDA and the reference on CPU (resolved by EngineArgs).
+    attention_backend: str | None = None
+    # Never run cascade attention over a shared prefix, even where the model says it pays (chapter 07).
+    disable_cascade_attn: bool = False
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -373,6 +378,8 @@ class EngineArgs:
     max_model_len: int | None = None
     load_format: str = "auto"
     enforce_eager: bool = False
+    attention_backend: str | None = None
+    disable_cascade_attn: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -394,6 +401,12 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        device_config = DeviceConfig(self.device)
+        attention_backend = self.attention_backend
+        if attention_backend is None:
+            attention_backend = "triton" if device_config.device.startswith("cuda") else "torch"
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}.")
         model_config = ModelConfig(
             model=os.fspath(self.model),
             tokenizer=self.tokenizer,
@@ -402,6 +415,8 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
+            attention_backend=attention_backend,
+            disable_cascade_attn=self.disable_cascade_attn,
         )
         self._check_positive("block_size", self.block_size)
         self._check_positive("max_num_seqs", self.max_num_seqs)
@@ -423,12 +438,10 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len "
                 f"({max_model_len}) with chunked prefill disabled: long prompts could never be scheduled."
             )
-        device_config = DeviceConfig(self.device)
         compilation_config = CompilationConfig.from_arg(self.compilation_config)
         compilation_config.resolve(
             device_config.device, self.enforce_eager, self.max_num_seqs, max_num_batched_tokens,
-            # The attention kernels' name arrives with the attention-backend issue; "torch" until then.
-            getattr(model_config, "attention_backend", "torch"),
+            model_config.attention_backend,
         )
         return EngineConfig(
             model_config=model_config,

@@ -419,6 +419,14 @@ def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     return model.eval()
 
 
+@register("cascade_attention", cap_s=90, needs_cuda=True)
+def cascade_attention(ctx: SuiteContext) -> dict[str, Any]:
+    """Cascade vs plain attention (Triton), Qwen3-0.6B attention, prefix 1k-32k x batch 8-256 x suffix 128/1024."""
+    from nano_v1.benchmarks.cascade import run_grid
+
+    return run_grid(ctx.device, smoke=ctx.smoke, rows=ctx.partial.setdefault("rows", []))
+
+
 # ---------------------------------------------------------------------------- the runner
 @contextmanager
 def _hard_time_cap(seconds: float) -> Iterator[None]:

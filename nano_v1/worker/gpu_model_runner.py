@@ -30,7 +30,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from nano_v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+from nano_v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionMetadataBuilder,
+    get_num_sms,
+)
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.layer import Attention
 from nano_v1.compilation.backends import VllmBackend
@@ -78,7 +82,11 @@ class GPUModelRunner:
         self.model: nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.attn_metadata_builder = FlashAttentionMetadataBuilder(device)
+        self.attn_metadata_builder = FlashAttentionMetadataBuilder(
+            device, self.model_config.attention_backend
+        )
+        self.cascade_attn_enabled = not self.model_config.disable_cascade_attn
+        self.num_sms = get_num_sms(device)
         self.sampler = Sampler()
         self.graph_pool: GraphPool | None = None  # shared by every CUDA graph this runner captures
         self.compile_backend: VllmBackend | None = None  # set when the model is compiled (level 3)
@@ -359,12 +367,19 @@ class GPUModelRunner:
         num_input_tokens, cudagraph_runtime_mode, batch_descriptor = self._select_cudagraph(
             common_attn_metadata
         )
+        common_prefix_len = 0
         if cudagraph_runtime_mode == CUDAGraphMode.FULL:
+            # The FULL graph captured plain attention, so a graphed step never cascades.
             common_attn_metadata = self._pad_for_full_graph(
                 common_attn_metadata.num_reqs, num_input_tokens, common_attn_metadata.max_seq_len
             )
+        elif self.cascade_attn_enabled:
+            common_prefix_len = self._compute_cascade_attn_prefix_len(
+                np.diff(common_attn_metadata.query_start_loc_cpu.numpy()),
+                scheduler_output.num_common_prefix_blocks,
+            )
         attn_metadata = self.attn_metadata_builder.build(
-            common_prefix_len=0, common_attn_metadata=common_attn_metadata
+            common_prefix_len=common_prefix_len, common_attn_metadata=common_attn_metadata
         )
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
             hidden_states = self.model(
@@ -478,6 +493,39 @@ class GPUModelRunner:
             "captured %d CUDA graphs (%s, sizes %d..%d) in %.2f s, using %.2f GiB",
             len(runs), mode.name, sizes[-1], sizes[0], time.perf_counter() - start, used / 2**30,
         )
+
+    def _compute_cascade_attn_prefix_len(
+        self, num_scheduled_tokens: np.ndarray, num_common_prefix_blocks: int
+    ) -> int:
+        """Tokens of shared prefix that cascade attention handles this step; 0 for no cascade.
+
+        Not simply the shared blocks: the prefix pass attends without a mask, so no query
+        may sit inside the prefix. If all requests share [A B C D E] and one has computed
+        [A B C] and now queries [D E X], a five-token prefix would let its query D see E, its
+        future. So the prefix is capped by the smallest `num_computed_tokens` (not one more,
+        which would still be correct: this way every request keeps at least one suffix key
+        and the suffix pass is never empty), then rounded down to whole blocks, since the
+        prefix pass reads whole blocks of the block table's first row.
+        """
+        common_prefix_len = num_common_prefix_blocks * self.block_size
+        if common_prefix_len == 0:
+            return 0  # the common case: no block is shared by every running request
+        num_reqs = len(num_scheduled_tokens)
+        common_prefix_len = min(
+            common_prefix_len, int(self.input_batch.num_computed_tokens_cpu[:num_reqs].min())
+        )
+        common_prefix_len = common_prefix_len // self.block_size * self.block_size
+        use_cascade = self.attn_metadata_builder.use_cascade_attention(
+            common_prefix_len=common_prefix_len,
+            query_lens=num_scheduled_tokens,
+            num_query_heads=self.model_config.get_num_attention_heads(),
+            num_kv_heads=self.model_config.get_num_kv_heads(),
+            use_alibi=False,  # nano_v1's models have none of these variants
+            use_sliding_window=False,
+            use_local_attention=False,
+            num_sms=self.num_sms,
+        )
+        return common_prefix_len if use_cascade else 0
 
     def _apply_min_tokens(self, logits: torch.Tensor) -> None:
         """Forbid stop tokens (EOS included) for requests short of their `min_tokens`.
