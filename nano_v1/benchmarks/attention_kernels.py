@@ -39,7 +39,7 @@ from nano_v1.attention.ops import reference
 from nano_v1.benchmarks.roofline import (
     DeviceCeilings,
     ModelShape,
-    _best_time,
+    best_time,
     measure_device_ceilings,
     step_cost,
 )
@@ -227,7 +227,7 @@ def run_attention_kernels(
             },
         }
         for name in timed:
-            seconds = _best_time(functools.partial(impls[name], *inputs.args(outs[name])), device, repeats)
+            seconds = best_time(functools.partial(impls[name], *inputs.args(outs[name])), device, repeats)
             row[name] = {
                 "time_ms": 1e3 * seconds,
                 "GBps": num_bytes / seconds / 1e9,

@@ -36,7 +36,7 @@ from nano_v1.attention.backends.flash_attn import (
     use_cascade_attention,
 )
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
-from nano_v1.benchmarks.roofline import H200_DATASHEET, DeviceCeilings, _best_time
+from nano_v1.benchmarks.roofline import H200_DATASHEET, DeviceCeilings, best_time
 from nano_v1.benchmarks.utils import write_json
 
 NAME = "cascade"
@@ -277,7 +277,7 @@ def measure_grid(
             metadata = builder.build(common_prefix_len, common)
             out = outputs[path] = torch.empty_like(q)
             forward = functools.partial(impl.forward, None, q, k, v, kv_cache, metadata, out)
-            seconds[path] = _best_time(forward, device, repeats)
+            seconds[path] = best_time(forward, device, repeats)
         plain = attention_traffic(prefix_len, num_reqs, suffix_len, shape, False, query_len)
         cascade = attention_traffic(prefix_len, num_reqs, suffix_len, shape, True, query_len)
         model_picks_cascade = use_cascade_attention(

@@ -200,6 +200,8 @@ def unified_attention(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    # Rows may be views (cascade slices columns off the front); within a row, pages are contiguous.
+    assert block_table.stride(1) == 1
     group = num_heads // num_kv_heads
     num_seqs = cu_seqlens_q.shape[0] - 1
     block_m = max(16, triton.next_power_of_2(group))
