@@ -31,6 +31,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
 import signal
 import sys
@@ -58,6 +59,10 @@ from nano_v1.benchmarks.roofline import (
 from nano_v1.benchmarks.throughput import run_generate_batch, run_nano_v1
 from nano_v1.benchmarks.utils import BenchRequest, sample_random_requests, write_json, write_tiny_qwen3
 from nano_v1.config import EngineArgs
+
+# The measurements time the in-process engine core's worker, and the GPU image has no
+# pyzmq/msgspec for the engine-core process (chapter 09).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 NAME = "gpu_suite"
 CONFIGS_DIR = Path(__file__).parent / "configs"
