@@ -57,7 +57,9 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify_args()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # `|=`, not `=`: a decoder that rebuilds params sent to the engine-core process
+        # (chapter 09) calls this again, and must keep the EOS ids the engine added.
+        self.all_stop_token_ids |= set(self.stop_token_ids)
 
     def _verify_args(self) -> None:
         def check(ok: bool, message: str) -> None:

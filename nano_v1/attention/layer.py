@@ -8,6 +8,14 @@ which blocks each request's context lives in — comes from the forward context 
 model runner sets around the forward call, and the KV cache tensor is bound to the layer
 by the runner after it sizes the cache. So the model's `forward(input_ids, positions)`
 needs no extra arguments, and the backend can change without touching any model.
+
+Chapter 08: to torch.compile, attention is one custom op, `unified_attention_with_output`
+(registered with torch.library), so that Dynamo records it as a single opaque node instead
+of tracing into the kernels and their per-step, data-dependent planning. The piecewise
+backend splits the model's graph at these nodes. The op takes the layer's name, not the
+layer (an op's arguments are tensors and plain values) and finds the layer in the forward
+context. Run eagerly, `Attention.forward` calls the backend directly, skipping the op's
+dispatch cost.
 """
 
 from __future__ import annotations
@@ -17,6 +25,23 @@ from torch import nn
 
 from nano_v1.attention.backends.flash_attn import FlashAttentionBackend
 from nano_v1.forward_context import get_forward_context
+
+
+@torch.library.custom_op("nano_v1::unified_attention_with_output", mutates_args=("output",))
+def unified_attention_with_output(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    """Attention of layer `layer_name` for this step, written into `output` (vLLM's op of the same name)."""
+    forward_context = get_forward_context()
+    forward_context.no_compile_layers[layer_name].attend_into(query, key, value, output)
+
+
+@unified_attention_with_output.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    """What tracing needs to know: nothing is returned, and `output` is written in place."""
+    return
 
 
 class Attention(nn.Module):
@@ -40,8 +65,19 @@ class Attention(nn.Module):
         key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
-        attn_metadata = get_forward_context().attn_metadata
         output = torch.empty_like(query)
+        if torch.compiler.is_compiling():
+            # Dynamo is tracing: one opaque node, where the piecewise backend splits the graph.
+            torch.ops.nano_v1.unified_attention_with_output(query, key, value, output, self.layer_name)
+        else:
+            self.attend_into(query, key, value, output)
+        return output
+
+    def attend_into(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """Cache this step's keys and values and write the attention into `output`."""
+        attn_metadata = get_forward_context().attn_metadata
         self.impl.forward(
             self,
             query.view(-1, self.num_heads, self.head_size),  # [num_tokens, num_heads, head_size]
@@ -51,7 +87,6 @@ class Attention(nn.Module):
             attn_metadata,
             output.view(-1, self.num_heads, self.head_size),
         )
-        return output
 
     def extra_repr(self) -> str:
         return (

@@ -31,6 +31,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
 import signal
 import sys
@@ -58,6 +59,10 @@ from nano_v1.benchmarks.roofline import (
 from nano_v1.benchmarks.throughput import run_generate_batch, run_nano_v1
 from nano_v1.benchmarks.utils import BenchRequest, sample_random_requests, write_json, write_tiny_qwen3
 from nano_v1.config import EngineArgs
+
+# The measurements time the in-process engine core's worker, and the GPU image has no
+# pyzmq/msgspec for the engine-core process (chapter 09).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 NAME = "gpu_suite"
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -177,7 +182,7 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
     context_len, num_steps = (32, 2) if ctx.smoke else (512, 20)
     model_dir = ctx.model_dir(config_name)
     shape = ModelShape.from_pretrained(model_dir)
-    max_model_len = context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 1
+    max_model_len = context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2
     llm = LLM(**dataclasses.asdict(ctx.engine_args(
         model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
     )))
@@ -228,14 +233,20 @@ def max_warm_up_steps(batch_size: int, context_len: int) -> int:
 
 
 def time_decode_steps(
-    engine, prompts: list[list[int]], num_steps: int, num_spec_tokens: int = 0
+    engine,
+    prompts: list[list[int]],
+    num_steps: int,
+    num_spec_tokens: int = 0,
+    after_timed_steps: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Add one request per prompt, step until all decode, then time `num_steps` steps.
 
     Returns the seconds of each whole `LLMEngine.step()` and of the worker's `execute_model`
     inside it; the requests are aborted afterwards. Raises if a timed step was not a pure
     decode step of the whole batch, each request verifying `num_spec_tokens` drafts
-    (speculative decoding, chapter 10) when that is not 0.
+    (speculative decoding, chapter 10) when that is not 0. `after_timed_steps` runs right
+    after the timed steps, while the batch still decodes (it may take one more step, e.g.
+    under a profiler).
     """
     from nano_v1 import SamplingParams
 
@@ -243,8 +254,9 @@ def time_decode_steps(
     max_warm_up = max_warm_up_steps(batch_size, len(prompts[0]))
     tokens_per_step = batch_size * (1 + num_spec_tokens)
     # A request prefilled in the first step decodes through every later step, gaining up
-    # to 1 + num_spec_tokens tokens in each: enough tokens for all of them.
-    max_tokens = (max_warm_up + num_steps) * (1 + num_spec_tokens) + 1
+    # to 1 + num_spec_tokens tokens in each: enough tokens for all of them, and for one
+    # more step after the timed ones.
+    max_tokens = (max_warm_up + num_steps + 1) * (1 + num_spec_tokens) + 1
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     request_ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
     for request_id, prompt in zip(request_ids, prompts):
@@ -277,8 +289,11 @@ def time_decode_steps(
             t0 = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t0)
-    finally:
         del worker.execute_model  # back to the class's method
+        if after_timed_steps is not None:
+            after_timed_steps()
+    finally:
+        worker.__dict__.pop("execute_model", None)  # if a step raised before the del above
         engine.abort_request(request_ids)
     if scheduled_tokens != [tokens_per_step] * num_steps:
         raise RuntimeError(
@@ -298,6 +313,14 @@ def decode_latency(ctx: SuiteContext) -> dict[str, Any]:
 def decode_latency_qwen3_4b(ctx: SuiteContext) -> dict[str, Any]:
     """The same sweep at the Qwen3-4B shape (8 GB of weights per step: a second point on the roofline)."""
     return decode_latency_sweep(ctx, "qwen3-4b")
+
+
+@register("attention_kernels", cap_s=60, needs_cuda=True)
+def attention_kernels(ctx: SuiteContext) -> dict[str, Any]:
+    """Triton paged attention vs gather+SDPA, prefill/decode/mixed batches, Qwen3-0.6B attention shape."""
+    from nano_v1.benchmarks.attention_kernels import run_attention_kernels
+
+    return run_attention_kernels(ctx.device, ctx.ceilings(), smoke=ctx.smoke)
 
 
 def throughput_workload(ctx: SuiteContext, vocab_size: int) -> tuple[list[BenchRequest], dict[str, Any]]:
@@ -392,6 +415,14 @@ def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
     return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, engine_args)
 
 
+@register("cuda_graphs", cap_s=120, needs_cuda=True)
+def cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
+    """Decode-step latency, kernel launches and host time per step: eager vs piecewise vs full CUDA graphs."""
+    from nano_v1.benchmarks.cuda_graphs import measure_cuda_graphs
+
+    return measure_cuda_graphs(ctx)
+
+
 @register("spec_decode_verify_cost", cap_s=60, needs_cuda=True)
 def spec_decode_verify_cost(ctx: SuiteContext) -> dict[str, Any]:
     """Step time verifying 1 + k tokens per request vs a plain decode step (0.6B shape), and the break-even acceptance rate."""
@@ -408,6 +439,14 @@ def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+@register("cascade_attention", cap_s=90, needs_cuda=True)
+def cascade_attention(ctx: SuiteContext) -> dict[str, Any]:
+    """Cascade vs plain attention (Triton), Qwen3-0.6B attention, prefix 1k-32k x batch 8-256 x suffix 128/1024."""
+    from nano_v1.benchmarks.cascade import run_grid
+
+    return run_grid(ctx.device, smoke=ctx.smoke, rows=ctx.partial.setdefault("rows", []))
 
 
 # ---------------------------------------------------------------------------- the runner

@@ -28,6 +28,9 @@ from nano_v1.benchmarks.ledger import LEDGER_DIR, latest_gpu_results
 from nano_v1.benchmarks.utils import environment, write_json, write_tiny_qwen3
 
 SMOKE = os.environ.get("NANO_V1_SMOKE") == "1"
+# Notebooks look inside the engine core (its scheduler, its block pool), so by default
+# they keep it in their own process; chapter 09's notebook chooses per engine.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 # CPU threads for torch in the notebooks (NANO_V1_THREADS overrides). One by default: on a

@@ -283,7 +283,7 @@ def workload_cost(
 
 
 # ---------------------------------------------------------------------------- measured ceilings
-def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+def best_time(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Fastest of `repeats` timed calls, in seconds (CUDA events on a GPU, so only device time counts)."""
     for _ in range(warmup):
         fn()
@@ -306,13 +306,13 @@ def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
 def _copy_seconds(num_bytes: int, device: torch.device, repeats: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return _best_time(lambda: dst.copy_(src), device, repeats)
+    return best_time(lambda: dst.copy_(src), device, repeats)
 
 
 def _matmul_seconds(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return _best_time(lambda: torch.mm(a, b), device, repeats)
+    return best_time(lambda: torch.mm(a, b), device, repeats)
 
 
 def measure_device_ceilings(

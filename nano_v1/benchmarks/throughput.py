@@ -172,9 +172,15 @@ def workload_flops(engine_config: EngineConfig, requests: list[BenchRequest]) ->
 
 def run_nano_v1(engine_args: EngineArgs, requests: list[BenchRequest]) -> RunResult:
     """Time `LLM.generate` over the whole workload, after a short warm-up pass."""
-    from nano_v1 import LLM, SamplingParams
+    from nano_v1 import LLM
 
-    llm = LLM(**dataclasses.asdict(engine_args))
+    return time_llm_generate(LLM(**dataclasses.asdict(engine_args)), requests)
+
+
+def time_llm_generate(llm, requests: list[BenchRequest]) -> RunResult:
+    """`run_nano_v1` on an engine that already exists."""
+    from nano_v1 import SamplingParams
+
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)

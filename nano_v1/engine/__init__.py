@@ -5,12 +5,19 @@ Mirrors vllm/v1/engine/__init__.py (chapter 09).
 Why plain records: the frontend (tokenizer, detokenizer, user API) and the engine core
 (scheduler + model runner) talk only through these. In-process they are passed as
 objects; chapter 09 puts the core in its own process and sends the same records as
-msgpack over ZMQ.
+msgpack over ZMQ (`nano_v1/serial_utils.py`).
+
+vLLM declares them as `msgspec.Struct`s; ours are dataclasses, which msgspec encodes and
+decodes by their type hints just the same, so the in-process engine (and the GPU image,
+which lacks msgspec) never needs msgspec. A new field, even a nested dataclass, travels
+over the wire as soon as it has a type hint.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from nano_v1.metrics.stats import SchedulerStats
 from nano_v1.sampling_params import SamplingParams
@@ -51,3 +58,30 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     # Counts the frontend aggregates (chapter 10); None when the step has none.
     scheduler_stats: SchedulerStats | None = None
+    # The answer to one UTILITY call (set instead of `outputs`).
+    utility_output: UtilityOutput | None = None
+
+
+@dataclass(slots=True)
+class UtilityOutput:
+    """The result of an `EngineCore` method the client called by name (`call_utility`)."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of every message to the engine-core process: what the rest is."""
+
+    ADD = b"\x00"  # an EngineCoreRequest
+    ABORT = b"\x01"  # a list of request ids
+    UTILITY = b"\x02"  # (call_id, method name, args)
+
+
+class EngineDeadError(Exception):
+    """The engine-core process is gone; nothing more can be served (mirrors vllm/v1/engine/exceptions.py)."""
+
+    def __init__(self, detail: str = "") -> None:
+        message = "the engine core process died or stopped responding"
+        super().__init__(f"{message}: {detail}" if detail else f"{message}; see its log above for the cause.")

@@ -1,25 +1,70 @@
-"""How the frontend reaches the engine core.
+"""How the frontend reaches the engine core: in this process, or in its own over ZMQ.
 
 Mirrors vllm/v1/engine/core_client.py (chapter 09).
 
-Why an interface: `LLMEngine` talks to "an engine core" through four calls
-(add_request, get_output, abort_requests, shutdown). `InprocClient` calls an
-`EngineCore` in the same process; chapter 09 adds clients that reach a core running in
-its own process over ZMQ, without changing the frontend.
+Why an interface: `LLMEngine` and `AsyncLLM` talk to "an engine core" through a few
+calls (add_request, get_output, abort_requests, call_utility, shutdown). `InprocClient`
+calls an `EngineCore` in this process, so each `get_output()` runs one step here.
+`SyncMPClient` (for `LLM`) and `AsyncMPClient` (for the API server) start an
+`EngineCoreProc` in a child process and exchange msgpack messages with it:
+
+    frontend process                          engine-core process
+    ROUTER (bind) --[type, msgpack]-->  DEALER -> input thread -> input queue
+                                                                     | busy loop: step()
+    PULL   (bind) <--[msgpack outputs]-- PUSH  <- output thread <- output queue
+
+The ROUTER/DEALER pair is vLLM's: a ROUTER addresses each engine by the identity it
+announced, which is how vLLM's data-parallel frontend talks to several cores at once.
+A monitor thread waits on the child's process sentinel: if the core dies, every waiting
+call fails with `EngineDeadError` at once instead of waiting forever.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
+import queue
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
 from nano_v1.config import EngineConfig
-from nano_v1.engine import EngineCoreOutputs, EngineCoreRequest
-from nano_v1.engine.core import EngineCore
+from nano_v1.engine import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineDeadError,
+    UtilityOutput,
+)
+from nano_v1.engine.core import EngineCore, EngineCoreProc
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient:
     """The frontend's handle on an engine core."""
 
     @staticmethod
-    def make_client(engine_config: EngineConfig) -> "EngineCoreClient":
+    def make_client(
+        multiprocess_mode: bool, asyncio_mode: bool, engine_config: EngineConfig
+    ) -> "EngineCoreClient":
+        if asyncio_mode:
+            if not multiprocess_mode:
+                raise ValueError("the asyncio client needs the engine core in its own process.")
+            return AsyncMPClient(engine_config)
+        if multiprocess_mode:
+            return SyncMPClient(engine_config)
         return InprocClient(engine_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -29,6 +74,10 @@ class EngineCoreClient:
         raise NotImplementedError
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call `EngineCore.<method>(*args)` wherever the core runs; return its result."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -50,3 +99,309 @@ class InprocClient(EngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.engine_core.abort_requests(request_ids)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine_core, method)(*args)
+
+
+@dataclass
+class BackgroundResources:
+    """What an MP client owns outside Python's reach: the process, sockets, the IPC directory.
+
+    Kept apart from the client so that `weakref.finalize` can release them when a client is
+    garbage collected, and so that threads hold these instead of the client itself.
+    """
+
+    ctx: Any  # zmq.Context
+    ipc_dir: str
+    proc: multiprocessing.process.BaseProcess | None = None
+    parent_conn: multiprocessing.connection.Connection | None = None
+    sockets: list[Any] = field(default_factory=list)
+    engine_dead: bool = False
+    shutting_down: bool = False
+
+    def validate_alive(self, frame: bytes) -> None:
+        if frame == EngineCoreProc.ENGINE_CORE_DEAD:
+            self.engine_dead = True
+            raise EngineDeadError("the engine core hit an exception in its busy loop")
+
+    def __call__(self) -> None:
+        """Shut down: stop the process, close our sockets, end the context, remove the IPC files."""
+        self.shutting_down = True
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        if self.parent_conn is not None:
+            self.parent_conn.close()
+        for socket in self.sockets:
+            socket.close(linger=0)
+        # Ends the context; a thread blocked on one of its sockets gets ContextTerminated and closes it.
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """Base of the multiprocess clients: start the engine-core process and connect to it."""
+
+    def __init__(self, asyncio_mode: bool, engine_config: EngineConfig) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from nano_v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        sync_ctx = zmq.Context()
+        self.ctx = zmq.asyncio.Context(sync_ctx) if asyncio_mode else sync_ctx
+        ipc_dir = tempfile.mkdtemp(prefix="nano_v1_")
+        self.resources = BackgroundResources(ctx=sync_ctx, ipc_dir=ipc_dir)
+        self._finalizer = weakref.finalize(self, self.resources)
+        # IPC sockets are files: nothing leaves this machine, and no port can collide.
+        input_address, output_address = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+        self.input_socket = self.ctx.socket(zmq.ROUTER)
+        self.input_socket.bind(input_address)
+        self.output_socket = self.ctx.socket(zmq.PULL)
+        self.output_socket.bind(output_address)
+        self.resources.sockets += [self.input_socket, self.output_socket]
+        self.utility_results: dict[int, Any] = {}  # call id -> future
+        try:
+            proc = self._start_engine_core(engine_config, input_address, output_address)
+            # The DEALER's hello tells the ROUTER the engine's identity, the address of every message.
+            sync_input = zmq.Socket.shadow(self.input_socket.underlying)
+            if not sync_input.poll(timeout=60_000):
+                raise RuntimeError("the engine core process started but never connected to its input socket.")
+            self.core_engine, _ = sync_input.recv_multipart()
+        except BaseException:
+            self._finalizer()  # don't leave a process or sockets behind
+            raise
+        self._start_engine_core_monitor(proc)
+
+    def _start_engine_core(self, engine_config: EngineConfig, input_address: str, output_address: str):
+        """Start the engine-core process; return once it reports READY (or raise what it raised)."""
+        ctx = _multiproc_context()
+        parent_conn, child_conn = ctx.Pipe()
+        forked = ctx.get_start_method() == "fork"
+        proc = ctx.Process(
+            target=EngineCoreProc.run_engine_core,
+            args=(
+                engine_config,
+                input_address,
+                output_address,
+                child_conn,
+                parent_conn if forked else None,
+                torch.get_num_threads(),
+            ),
+            name="EngineCore",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        self.resources.proc, self.resources.parent_conn = proc, parent_conn
+        # Wait for the handshake, or for the process to die before it could send one.
+        multiprocessing.connection.wait([parent_conn, proc.sentinel])
+        if not parent_conn.poll():
+            raise RuntimeError(f"the engine core process exited during startup (exit code {proc.exitcode}).")
+        status, payload = parent_conn.recv()
+        if status == "FAILED":
+            raise payload
+        engine_config.cache_config.num_gpu_blocks = payload  # sized in the child; the frontend reports it
+        return proc
+
+    def _start_engine_core_monitor(self, proc) -> None:
+        resources, on_engine_dead = self.resources, self._on_engine_dead_callback()
+
+        def monitor_engine_core() -> None:
+            multiprocessing.connection.wait([proc.sentinel])
+            if resources.shutting_down:
+                return
+            resources.engine_dead = True
+            logger.error("the engine core process died unexpectedly (exit code %s)", proc.exitcode)
+            on_engine_dead(EngineDeadError(f"exit code {proc.exitcode}"))
+
+        threading.Thread(target=monitor_engine_core, daemon=True, name="EngineCoreMonitor").start()
+
+    def _on_engine_dead_callback(self) -> Callable[[EngineDeadError], None]:
+        """A function (holding no reference to the client) that wakes everyone waiting on the core."""
+        raise NotImplementedError
+
+    def ensure_alive(self) -> None:
+        if self.resources.engine_dead:
+            raise EngineDeadError()
+
+    def _encode_input(self, request_type: EngineCoreRequestType, request: Any) -> list[bytes]:
+        self.ensure_alive()
+        return [self.core_engine, request_type.value, self.encoder.encode(request)]
+
+    def _format_exception(self, e: Exception) -> Exception:
+        """Whatever broke the output path, once the core is dead the user sees why."""
+        return e if isinstance(e, EngineDeadError) or not self.resources.engine_dead else EngineDeadError()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _multiproc_context() -> multiprocessing.context.BaseContext:
+    """How to start the engine-core process (VLLM_WORKER_MULTIPROC_METHOD overrides).
+
+    `fork` is unsafe here: once the frontend has run a multi-threaded torch op (OpenMP's
+    thread pool exists) or touched CUDA, a forked child can deadlock in its first op; we
+    measured exactly that hang on this CPU. vLLM therefore spawns on CPU, paying the import
+    of torch in every child. We default to `forkserver`: a clean server process imports the
+    engine once, and every engine core is forked from it, so it is as safe as `spawn` and
+    only the first start pays the imports.
+    """
+    from nano_v1 import envs
+
+    ctx = multiprocessing.get_context(envs.worker_multiproc_method() or "forkserver")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["nano_v1.engine.core"])
+    return ctx
+
+
+def _route_output(
+    frame: bytes, resources: BackgroundResources, decoder, outputs_queue, utility_results: dict[int, Any]
+) -> None:
+    """One message from the core: a step's outputs go to the queue, a utility answer to its future."""
+    resources.validate_alive(frame)
+    outputs: EngineCoreOutputs = decoder.decode(frame)
+    utility: UtilityOutput | None = outputs.utility_output
+    if utility is None:
+        outputs_queue.put_nowait(outputs)
+        return
+    future = utility_results.pop(utility.call_id)
+    if utility.failure_message is not None:
+        future.set_exception(RuntimeError(utility.failure_message))
+    else:
+        future.set_result(utility.result)
+
+
+class SyncMPClient(MPClient):
+    """For `LLM`/`LLMEngine`: a thread reads the output socket into a queue; `get_output` blocks on it."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        super().__init__(asyncio_mode=False, engine_config=engine_config)
+        import zmq
+
+        # The thread gets what it needs, not the client, so the client can still be collected.
+        output_socket, decoder, resources = self.output_socket, self.decoder, self.resources
+        outputs_queue, utility_results = self.outputs_queue, self.utility_results
+
+        def process_outputs_socket() -> None:
+            try:
+                while True:
+                    _route_output(output_socket.recv(), resources, decoder, outputs_queue, utility_results)
+            except zmq.ContextTerminated:
+                pass  # shutdown
+            except Exception as e:
+                outputs_queue.put_nowait(e)
+            finally:
+                output_socket.close(linger=0)
+
+        threading.Thread(target=process_outputs_socket, daemon=True, name="EngineCoreOutputQueue").start()
+        self.resources.sockets.remove(output_socket)  # the thread closes it now
+
+    def _on_engine_dead_callback(self) -> Callable[[EngineDeadError], None]:
+        outputs_queue, utility_results = self.outputs_queue, self.utility_results
+
+        def on_engine_dead(error: EngineDeadError) -> None:
+            outputs_queue.put_nowait(error)
+            for future in list(utility_results.values()):
+                future.set_exception(error)
+            utility_results.clear()
+
+        return on_engine_dead
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs = self.outputs_queue.get()
+        if isinstance(outputs, Exception):
+            raise self._format_exception(outputs) from None
+        return outputs
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.input_socket.send_multipart(self._encode_input(EngineCoreRequestType.ADD, request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.resources.engine_dead:
+            self.input_socket.send_multipart(self._encode_input(EngineCoreRequestType.ABORT, request_ids))
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = uuid.uuid4().int >> 64
+        future: Future = Future()
+        self.utility_results[call_id] = future
+        self.input_socket.send_multipart(
+            self._encode_input(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        )
+        return future.result()
+
+
+class AsyncMPClient(MPClient):
+    """For `AsyncLLM`: the same sockets, read by an asyncio task instead of a thread.
+
+    Must be created inside the event loop that will use it.
+    """
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        super().__init__(asyncio_mode=True, engine_config=engine_config)
+        output_socket, decoder, resources = self.output_socket, self.decoder, self.resources
+        outputs_queue, utility_results = self.outputs_queue, self.utility_results
+
+        async def process_outputs_socket() -> None:
+            try:
+                while True:
+                    _route_output(
+                        await output_socket.recv(), resources, decoder, outputs_queue, utility_results
+                    )
+            except Exception as e:
+                outputs_queue.put_nowait(e)
+
+        self.output_task = asyncio.create_task(process_outputs_socket(), name="EngineCoreOutputQueueTask")
+
+    def _on_engine_dead_callback(self) -> Callable[[EngineDeadError], None]:
+        loop, outputs_queue, utility_results = self.loop, self.outputs_queue, self.utility_results
+
+        def fail_all(error: EngineDeadError) -> None:  # runs in the event loop
+            outputs_queue.put_nowait(error)
+            for future in list(utility_results.values()):
+                if not future.done():
+                    future.set_exception(error)
+            utility_results.clear()
+
+        def on_engine_dead(error: EngineDeadError) -> None:  # runs in the monitor thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(fail_all, error)
+
+        return on_engine_dead
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        outputs = await self.outputs_queue.get()
+        if isinstance(outputs, Exception):
+            raise self._format_exception(outputs) from None
+        return outputs
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self.input_socket.send_multipart(self._encode_input(EngineCoreRequestType.ADD, request))
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and not self.resources.engine_dead:
+            await self.input_socket.send_multipart(
+                self._encode_input(EngineCoreRequestType.ABORT, request_ids)
+            )
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        call_id = uuid.uuid4().int >> 64
+        future = self.loop.create_future()
+        self.utility_results[call_id] = future
+        await self.input_socket.send_multipart(
+            self._encode_input(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        )
+        return await future
+
+    def shutdown(self) -> None:
+        self.output_task.cancel()
+        super().shutdown()

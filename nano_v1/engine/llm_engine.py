@@ -5,7 +5,9 @@ Mirrors vllm/v1/engine/llm_engine.py (chapters 01 and 09).
 Why this layering: the engine core works only in token ids and knows nothing of text
 or of `n`; this class owns the tokenizer, validates input (`Processor`), fans out
 `n > 1` into independent core requests, and turns core outputs back into
-`RequestOutput`s (`OutputProcessor`).
+`RequestOutput`s (`OutputProcessor`). With `multiprocess_mode` the core runs in its own
+process (chapter 09): `step()` then only waits for the core's next outputs and
+detokenizes them, while the core is already computing the step after.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from nano_v1 import envs
 from nano_v1.config import EngineArgs, EngineConfig
 from nano_v1.engine import EngineCoreRequest
 from nano_v1.engine.core_client import EngineCoreClient
@@ -25,13 +28,31 @@ from nano_v1.sampling_params import SamplingParams
 from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 
+def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """One core request per completion: `n > 1` becomes n independent `"{index}_{id}"` requests."""
+    n = request.sampling_params.n
+    if n == 1:
+        return [request]
+    children = []
+    for index in range(n):
+        child_params = copy.copy(request.sampling_params)
+        child_params.n = 1
+        if child_params.seed is not None:
+            child_params.seed += index  # distinct but reproducible streams
+        child_id = f"{index}_{request.request_id}"
+        children.append(dataclasses.replace(request, request_id=child_id, sampling_params=child_params))
+    return children
+
+
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, multiprocess_mode: bool = False) -> None:
         self.engine_config = engine_config
         self.tokenizer = load_tokenizer(engine_config.model_config)
         self.processor = Processor(engine_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCoreClient.make_client(engine_config)
+        self.engine_core = EngineCoreClient.make_client(
+            multiprocess_mode=multiprocess_mode, asyncio_mode=False, engine_config=engine_config
+        )
         # Running totals of the core's per-step statistics, read by get_metrics().
         speculative_config = engine_config.speculative_config
         self.spec_decoding_stats = (
@@ -39,8 +60,11 @@ class LLMEngine:
         )
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(cls, engine_args: EngineArgs, enable_multiprocessing: bool | None = None) -> "LLMEngine":
+        """`enable_multiprocessing=None` follows VLLM_ENABLE_V1_MULTIPROCESSING (default: on)."""
+        if enable_multiprocessing is None:
+            enable_multiprocessing = envs.enable_v1_multiprocessing()
+        return cls(engine_args.create_engine_config(), multiprocess_mode=enable_multiprocessing)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -56,19 +80,7 @@ class LLMEngine:
         if request_id in self.output_processor.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
         prompt_text, request = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
-        n = request.sampling_params.n
-        if n == 1:
-            return prompt_text, [request]
-        children = []
-        for index in range(n):
-            child_params = copy.copy(request.sampling_params)
-            child_params.n = 1
-            if child_params.seed is not None:
-                child_params.seed += index  # distinct but reproducible streams
-            children.append(
-                dataclasses.replace(request, request_id=f"{index}_{request_id}", sampling_params=child_params)
-            )
-        return prompt_text, children
+        return prompt_text, fan_out(request)
 
     def add_processed_request(self, request_id: str, prompt_text: str | None, requests: list[EngineCoreRequest]) -> None:
         self.output_processor.add_request(request_id, prompt_text, requests)
@@ -111,3 +123,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def shutdown(self) -> None:
+        """Stop the engine-core process, if there is one."""
+        self.engine_core.shutdown()

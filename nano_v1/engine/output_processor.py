@@ -49,6 +49,9 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     stop: list[str]
     include_stop_str_in_output: bool
+    # Characters held back from a running request's output: a stop string may have begun
+    # there, and text once streamed cannot be taken back when it completes next step.
+    stop_buffer_length: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
 
@@ -97,6 +100,9 @@ class OutputProcessor:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                stop_buffer_length=(
+                    max(map(len, params.stop)) - 1 if params.stop and not params.include_stop_str_in_output else 0
+                ),
                 logprobs=[] if params.logprobs is not None else None,
             )
 
@@ -135,6 +141,8 @@ class OutputProcessor:
                     finish_reason, stop_reason = "stop", stop_str
                     if not out.finished:
                         reqs_to_abort.append(out.request_id)
+            if finish_reason is None and state.stop_buffer_length:
+                text = text[: len(text) - state.stop_buffer_length]
             parent = state.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             parent.completions[state.index] = CompletionOutput(

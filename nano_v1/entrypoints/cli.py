@@ -1,4 +1,4 @@
-"""The `nano-v1` command: `generate`, and `bench throughput | scheduler | spec`.
+"""The `nano-v1` command: `generate`, `serve`, and `bench throughput | scheduler | serve | processes | spec`.
 
 Mirrors vllm/entrypoints/cli/ (chapters 01 and 09).
 
@@ -9,6 +9,7 @@ accept the same names (`--max-num-seqs` is `max_num_seqs`), as in vLLM.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import sys
 import typing
@@ -52,6 +53,15 @@ def _generate(args: argparse.Namespace) -> None:
             print("-" * 40)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from nano_v1.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    engine_args = engine_args_from(args)
+    asyncio.run(run_server(engine_args, args.host, args.port, args.served_model_name))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nano-v1", description="nano_v1: an annotated vLLM v1.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,11 +77,19 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    server = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the bundled demo model)")
+    server.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
+    add_engine_args(server)
+    server.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a peer and writes JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from nano_v1.benchmarks import scheduler_overhead, spec_decode, throughput
+    from nano_v1.benchmarks import processes, scheduler_overhead, serve, spec_decode, throughput
 
-    for module in (throughput, scheduler_overhead, spec_decode):
+    for module in (throughput, scheduler_overhead, serve, processes, spec_decode):
         p = bench_sub.add_parser(module.NAME, help=module.__doc__.splitlines()[0])
         module.add_cli_args(p)
         if module.USES_ENGINE_ARGS:

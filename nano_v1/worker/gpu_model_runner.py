@@ -10,23 +10,38 @@ metadata from it with a few vectorised numpy ops (`_prepare_inputs`), (3) runs t
 and samples at each request's last scheduled token (`execute_model`), and (4) writes the
 sampled tokens back into the persistent batch itself, so they never travel through the
 scheduler again.
+
+Chapter 08: with compilation on, `load_model` has Dynamo trace the model once (the token
+count symbolic) and the piecewise backend split it at attention; `capture_model` then
+records a CUDA graph per capture size at start-up. Each step pads its token count up to
+the next capture size (`_select_cudagraph`) and tells the graph wrappers, through the
+forward context, which graph to replay. The padding rows compute garbage that nothing
+reads: attention caches and attends only the real tokens, and logits take real rows only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 
 import numpy as np
 import torch
 from torch import nn
 
-from nano_v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+from nano_v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionMetadataBuilder,
+    get_num_sms,
+)
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.layer import Attention
-from nano_v1.config import EngineConfig
+from nano_v1.compilation.backends import VllmBackend
+from nano_v1.compilation.cuda_graph import CUDAGraphWrapper, GraphPool
+from nano_v1.config import CompilationLevel, CUDAGraphMode, EngineConfig
 from nano_v1.core.sched.output import SchedulerOutput
-from nano_v1.forward_context import set_forward_context
+from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.model_executor.model_loader import get_model
 from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 from nano_v1.sample.metadata import SamplingMetadata
@@ -37,6 +52,12 @@ from nano_v1.spec_decode.ngram_proposer import NgramProposer
 from nano_v1.worker.block_table import CpuGpuBuffer
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+logger = logging.getLogger(__name__)
+
+# Where the padding rows of a FULL graph write their keys and values: slot 0 of block 0,
+# the null block, which the block pool never hands to a request.
+NULL_BLOCK_SLOT = 0
+
 
 class GPUModelRunner:
     """Owns the model, its KV cache tensors, the persistent batch and the per-step buffers.
@@ -45,10 +66,14 @@ class GPUModelRunner:
     input preparation can be exercised (and tested) without weights.
     """
 
+    # Tests swap in a recording fake to exercise capture and replay without a GPU.
+    cudagraph_wrapper_cls: type[CUDAGraphWrapper] = CUDAGraphWrapper
+
     def __init__(self, engine_config: EngineConfig, device: torch.device) -> None:
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
         self.scheduler_config = engine_config.scheduler_config
+        self.compilation_config = engine_config.compilation_config
         self.device = device
         self.dtype = self.model_config.dtype
         self.pin_memory = device.type == "cuda"
@@ -60,8 +85,14 @@ class GPUModelRunner:
         self.model: nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.attn_metadata_builder = FlashAttentionMetadataBuilder(device)
+        self.attn_metadata_builder = FlashAttentionMetadataBuilder(
+            device, self.model_config.attention_backend
+        )
+        self.cascade_attn_enabled = not self.model_config.disable_cascade_attn
+        self.num_sms = get_num_sms(device)
         self.sampler = Sampler()
+        self.graph_pool: GraphPool | None = None  # shared by every CUDA graph this runner captures
+        self.compile_backend: VllmBackend | None = None  # set when the model is compiled (level 3)
         # Speculative decoding (chapter 10): drafts proposed after each step, verified in the next.
         speculative_config = engine_config.speculative_config
         self.drafter = NgramProposer(speculative_config) if speculative_config is not None else None
@@ -97,6 +128,46 @@ class GPUModelRunner:
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            self.graph_pool = GraphPool.create(self.device)
+        if self.compilation_config.level == CompilationLevel.PIECEWISE:
+            self._compile_model()
+        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            # The whole forward pass, attention included, as one graph per size.
+            self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
+
+    @torch.inference_mode()
+    def _compile_model(self) -> None:
+        """Trace the model once with Dynamo, the token count symbolic, and split it (chapter 08).
+
+        `mark_dynamic` makes dimension 0 of the inputs a symbol instead of a constant. Dynamo
+        then guards the graph with facts about that symbol it relied on while tracing (for
+        example "not 1", from a reshape), and would trace again for a 1-token step; those
+        shape guards are dropped, as vLLM skips guards altogether: the graph's ops work at
+        any token count. The trace runs on a small dummy batch from the persistent buffers,
+        which every later step slices too.
+        """
+        self.compile_backend = VllmBackend(
+            self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls
+        )
+        self.model.forward = torch.compile(
+            self.model.forward,
+            backend=self.compile_backend,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": lambda guards: [g.guard_type != "SHAPE_ENV" for g in guards]},
+        )
+        num_tokens = min(self.max_num_tokens, 16)
+        input_ids, positions = self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens]
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        start = time.perf_counter()
+        with set_forward_context(None, self.attn_layers):
+            self.model(input_ids, positions)
+        logger.info(
+            "torch.compile: traced once and split into %d pieces in %.2f s",
+            len(self.compile_backend.piecewise_graphs), time.perf_counter() - start,
+        )
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return FlashAttentionBackend.get_kv_cache_shape(
@@ -132,7 +203,7 @@ class GPUModelRunner:
         tokens), the sampler's worst case (a sort).
         """
         num_tokens = self.max_num_tokens
-        with set_forward_context(None):
+        with set_forward_context(None, self.attn_layers):
             hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
         # Logits rows: one per request, and with speculative decoding one per draft too (chapter 10).
         num_reqs = min(self.max_num_reqs * (1 + (self.drafter.k if self.drafter else 0)), num_tokens)
@@ -315,12 +386,27 @@ class GPUModelRunner:
         if scheduler_output.scheduled_spec_decode_tokens:
             spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
             logits_indices = spec_decode_metadata.logits_indices
-        attn_metadata = self.attn_metadata_builder.build(
-            common_prefix_len=0, common_attn_metadata=common_attn_metadata
+        num_input_tokens, cudagraph_runtime_mode, batch_descriptor = self._select_cudagraph(
+            common_attn_metadata
         )
-        num_tokens = common_attn_metadata.num_actual_tokens
-        with set_forward_context(attn_metadata):
-            hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+        common_prefix_len = 0
+        if cudagraph_runtime_mode == CUDAGraphMode.FULL:
+            # The FULL graph captured plain attention, so a graphed step never cascades.
+            common_attn_metadata = self._pad_for_full_graph(
+                common_attn_metadata.num_reqs, num_input_tokens, common_attn_metadata.max_seq_len
+            )
+        elif self.cascade_attn_enabled:
+            common_prefix_len = self._compute_cascade_attn_prefix_len(
+                np.diff(common_attn_metadata.query_start_loc_cpu.numpy()),
+                scheduler_output.num_common_prefix_blocks,
+            )
+        attn_metadata = self.attn_metadata_builder.build(
+            common_prefix_len=common_prefix_len, common_attn_metadata=common_attn_metadata
+        )
+        with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
+            hidden_states = self.model(
+                self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens]
+            )
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
         sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
         output = self._bookkeeping(sampler_output, discard_req_indices)
@@ -416,6 +502,142 @@ class GPUModelRunner:
         draft_token_ids = DraftTokenIds(list(self.input_batch.req_ids), self._draft_token_ids)
         self._draft_token_ids = None
         return draft_token_ids
+
+    # ------------------------------------------------------------------ CUDA graphs (chapter 08)
+    def _select_cudagraph(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> tuple[int, CUDAGraphMode, BatchDescriptor | None]:
+        """How this step runs: the token count to pad to, the graph mode, and the graph's key.
+
+        A pure decode batch (one query per request) may run as one FULL graph, if that
+        mode is on and its padded size still fits the per-request buffers; any batch up
+        to the largest capture size may run PIECEWISE; anything else runs without graphs,
+        unpadded.
+        """
+        config = self.compilation_config
+        num_tokens = common_attn_metadata.num_actual_tokens
+        num_reqs = common_attn_metadata.num_reqs
+        uniform_decode = common_attn_metadata.max_query_len == 1 and num_tokens == num_reqs
+        if num_tokens > config.max_capture_size:
+            return num_tokens, CUDAGraphMode.NONE, None
+        num_padded = config.pad_for_cudagraph(num_tokens)
+        mode = config.cudagraph_mode.decode_mode() if uniform_decode else config.cudagraph_mode.mixed_mode()
+        if mode == CUDAGraphMode.FULL and num_padded > self.max_num_reqs:
+            mode = config.cudagraph_mode.mixed_mode()
+        if mode == CUDAGraphMode.NONE:
+            return num_tokens, mode, None
+        return num_padded, mode, BatchDescriptor(num_padded, uniform_decode=mode == CUDAGraphMode.FULL)
+
+    def _pad_for_full_graph(
+        self, num_reqs: int, num_padded: int, max_seq_len: int
+    ) -> CommonAttentionMetadata:
+        """Attention metadata of `num_reqs` decodes padded with empty requests to `num_padded`.
+
+        A FULL graph reads the metadata from the addresses it was captured with, so every
+        tensor here is the head of a persistent buffer, refilled each step. The padding
+        requests have no query and no context; their padding rows cache into the null block.
+        """
+        self.query_start_loc.np[num_reqs + 1 : num_padded + 1] = num_reqs
+        self.seq_lens.np[num_reqs:num_padded] = 0
+        block_table = self.input_batch.block_table
+        block_table.slot_mapping.np[num_reqs:num_padded] = NULL_BLOCK_SLOT
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_padded + 1),
+            query_start_loc_cpu=self.query_start_loc.cpu[: num_padded + 1],
+            seq_lens=self.seq_lens.copy_to_gpu(num_padded),
+            seq_lens_cpu=self.seq_lens.cpu[:num_padded],
+            num_computed_tokens_cpu=self.input_batch.num_computed_tokens_cpu_tensor[:num_padded],
+            num_reqs=num_padded,
+            num_actual_tokens=num_padded,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_table_tensor=block_table.commit_block_table(num_padded),
+            slot_mapping=block_table.commit_slot_mapping(num_padded),
+        )
+
+    def _dummy_run(
+        self, num_tokens: int, cudagraph_runtime_mode: CUDAGraphMode, uniform_decode: bool = False
+    ) -> torch.Tensor:
+        """A forward pass over `num_tokens` dummy tokens, capturing a graph if the mode says so.
+
+        A mixed batch has no attention metadata: attention (eager under PIECEWISE) attends
+        within the batch and touches no cache. A uniform decode batch, the FULL graph's,
+        has real metadata in the persistent buffers, here all padding requests, because
+        a FULL graph captures attention too.
+        """
+        attn_metadata = None
+        if uniform_decode:
+            attn_metadata = self.attn_metadata_builder.build(0, self._pad_for_full_graph(0, num_tokens, 1))
+        batch_descriptor = BatchDescriptor(num_tokens, uniform_decode)
+        with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
+            return self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture every CUDA graph at start-up, largest size first, into one memory pool.
+
+        Each size runs once without graphs first, so that lazy work (cuBLAS workspaces,
+        Triton compiles) is done before a capture, where it would be illegal.
+        """
+        config = self.compilation_config
+        mode = config.cudagraph_mode
+        if mode == CUDAGraphMode.NONE:
+            return
+        from tqdm import tqdm
+
+        sizes = sorted(config.cudagraph_capture_sizes, reverse=True)
+        runs = []
+        if mode.mixed_mode() == CUDAGraphMode.PIECEWISE:
+            runs += [(size, CUDAGraphMode.PIECEWISE) for size in sizes]
+        if mode.has_full_cudagraphs():
+            runs += [(size, CUDAGraphMode.FULL) for size in sizes if size <= self.max_num_reqs]
+        on_cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        start = time.perf_counter()
+        for num_tokens, runtime_mode in tqdm(runs, desc="Capturing CUDA graphs", disable=not on_cuda):
+            uniform_decode = runtime_mode == CUDAGraphMode.FULL
+            self._dummy_run(num_tokens, CUDAGraphMode.NONE, uniform_decode)  # warm-up
+            self._dummy_run(num_tokens, runtime_mode, uniform_decode)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        logger.info(
+            "captured %d CUDA graphs (%s, sizes %d..%d) in %.2f s, using %.2f GiB",
+            len(runs), mode.name, sizes[-1], sizes[0], time.perf_counter() - start, used / 2**30,
+        )
+
+    def _compute_cascade_attn_prefix_len(
+        self, num_scheduled_tokens: np.ndarray, num_common_prefix_blocks: int
+    ) -> int:
+        """Tokens of shared prefix that cascade attention handles this step; 0 for no cascade.
+
+        Not simply the shared blocks: the prefix pass attends without a mask, so no query
+        may sit inside the prefix. If all requests share [A B C D E] and one has computed
+        [A B C] and now queries [D E X], a five-token prefix would let its query D see E, its
+        future. So the prefix is capped by the smallest `num_computed_tokens` (not one more,
+        which would still be correct: this way every request keeps at least one suffix key
+        and the suffix pass is never empty), then rounded down to whole blocks, since the
+        prefix pass reads whole blocks of the block table's first row.
+        """
+        common_prefix_len = num_common_prefix_blocks * self.block_size
+        if common_prefix_len == 0:
+            return 0  # the common case: no block is shared by every running request
+        num_reqs = len(num_scheduled_tokens)
+        common_prefix_len = min(
+            common_prefix_len, int(self.input_batch.num_computed_tokens_cpu[:num_reqs].min())
+        )
+        common_prefix_len = common_prefix_len // self.block_size * self.block_size
+        use_cascade = self.attn_metadata_builder.use_cascade_attention(
+            common_prefix_len=common_prefix_len,
+            query_lens=num_scheduled_tokens,
+            num_query_heads=self.model_config.get_num_attention_heads(),
+            num_kv_heads=self.model_config.get_num_kv_heads(),
+            use_alibi=False,  # nano_v1's models have none of these variants
+            use_sliding_window=False,
+            use_local_attention=False,
+            num_sms=self.num_sms,
+        )
+        return common_prefix_len if use_cascade else 0
 
     def _apply_min_tokens(self, logits: torch.Tensor) -> None:
         """Forbid stop tokens (EOS included) for requests short of their `min_tokens`.

@@ -27,7 +27,7 @@ GiB = 1 << 30
 
 class Worker:
     """Call order: init_device, load_model, get_kv_cache_page_size / determine_available_memory,
-    initialize_kv_cache, then execute_model once per step."""
+    initialize_kv_cache, compile_or_warm_up_model, then execute_model once per step."""
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
@@ -99,6 +99,10 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the CUDA graphs, once the KV cache exists (chapter 08)."""
+        self.model_runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

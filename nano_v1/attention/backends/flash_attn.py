@@ -1,26 +1,85 @@
 """The attention backend: KV cache layout, per-step metadata, and the attention call itself.
 
-Mirrors vllm/v1/attention/backends/flash_attn.py (chapters 01 and 06).
+Mirrors vllm/v1/attention/backends/flash_attn.py (chapters 01, 06 and 07).
 
 Why it exists: vLLM separates *what* the model asks for (an `Attention` layer with heads
 and a scale) from *how* a backend computes it over a paged cache. A backend is three
 pieces: a static description (`FlashAttentionBackend`: the cache shape), a builder that
 turns the runner's `CommonAttentionMetadata` into the backend's own metadata once per step
 (`FlashAttentionMetadataBuilder`), and the per-layer implementation
-(`FlashAttentionImpl.forward`). Here the kernels are the plain-PyTorch ops of
-`nano_v1/attention/ops/reference.py`, called by name so that a Triton kernel and cascade
-attention slot in later without touching the model.
+(`FlashAttentionImpl.forward`). The kernels are chosen by `attention_backend`: the
+plain-PyTorch reference (`nano_v1/attention/ops/reference.py`) or the Triton kernels of
+chapter 06, with the same signatures, so the two share every line here.
+
+Cascade attention (chapter 07): when every running request starts with the same cached
+blocks (a shared system prompt), attention splits into a pass of all queries over the
+shared prefix, which reads the prefix once for the whole batch instead of once per
+request, and a pass of each request over its own suffix; the two are merged with their
+log-sum-exps. `use_cascade_attention` is vLLM's rule for when that pays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
-from nano_v1.attention.ops import reference as ops
+from nano_v1.attention.ops import reference
+
+# The SM count the cascade performance model assumes when there is no GPU to ask: an
+# H100 SXM or H200 (132 SMs), the GPUs our measurements come from (chapter 07).
+CPU_NUM_SMS = 132
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOps:
+    """The kernels of one attention backend, all with the reference's signatures.
+
+    `plan_batch_split` is the reference's host-side plan (which requests are decodes),
+    made once per step; Triton's kernel plans on the device and has none.
+    """
+
+    reshape_and_cache_flash: Callable[..., None]
+    unified_attention: Callable[..., torch.Tensor | None]
+    merge_attn_states: Callable[..., None]
+    plan_batch_split: Callable[..., reference.BatchSplit] | None
+
+
+def get_attention_ops(attention_backend: str) -> AttentionOps:
+    """The kernels for `attention_backend` ("torch" | "triton").
+
+    Triton is imported only here and only when chosen, so nano_v1 runs without it.
+    """
+    if attention_backend == "torch":
+        return AttentionOps(
+            reshape_and_cache_flash=reference.reshape_and_cache_flash,
+            unified_attention=reference.unified_attention,
+            merge_attn_states=reference.merge_attn_states,
+            plan_batch_split=reference.plan_batch_split,
+        )
+    if attention_backend == "triton":
+        from nano_v1.attention.ops.triton_merge_attn_states import merge_attn_states
+        from nano_v1.attention.ops.triton_reshape_and_cache_flash import reshape_and_cache_flash
+        from nano_v1.attention.ops.triton_unified_attention import unified_attention
+
+        return AttentionOps(
+            reshape_and_cache_flash=reshape_and_cache_flash,
+            unified_attention=unified_attention,
+            merge_attn_states=merge_attn_states,
+            plan_batch_split=None,
+        )
+    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}.")
+
+
+def get_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`, or `CPU_NUM_SMS` off the GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_NUM_SMS
 
 
 @dataclass(slots=True)
@@ -38,26 +97,51 @@ class FlashAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
-    # Cascade attention over a shared prefix arrives in chapter 07; until then always off.
+    ops: AttentionOps  # the chosen backend's kernels
+    # Cascade attention (chapter 07): the first `common_prefix_len` tokens (whole blocks) of
+    # every request are the same blocks. The prefix pass sees all tokens as one request
+    # (`cu_prefix_query_lens` = [0, num_actual_tokens]) over `prefix_kv_lens` = [common_prefix_len];
+    # the suffix pass sees each request over its `suffix_kv_lens` = seq_lens - common_prefix_len.
     use_cascade: bool
     common_prefix_len: int
-    # The reference kernel's host-side plan (which requests are decodes), made once per step.
-    batch_split: ops.BatchSplit
+    cu_prefix_query_lens: torch.Tensor | None  # [2] int32
+    prefix_kv_lens: torch.Tensor | None  # [1] int32
+    suffix_kv_lens: torch.Tensor | None  # [num_reqs] int32
+    # The reference kernel's host-side plans (vLLM: FA3's scheduler_metadata), made once per
+    # step: for the plain pass, or the suffix pass under cascade; and for the prefix pass.
+    # None with Triton.
+    batch_split: reference.BatchSplit | None
+    prefix_batch_split: reference.BatchSplit | None
     causal: bool = True
 
 
 class FlashAttentionMetadataBuilder:
     """Turns the runner's `CommonAttentionMetadata` into `FlashAttentionMetadata`, once per step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, attention_backend: str = "torch") -> None:
         self.device = device
+        self.ops = get_attention_ops(attention_backend)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
     ) -> FlashAttentionMetadata:
         m = common_attn_metadata
-        assert common_prefix_len == 0, "cascade attention is not implemented yet (chapter 07)"
         num_reqs = m.num_reqs
+        query_start_loc_cpu = m.query_start_loc_cpu[: num_reqs + 1]
+        seq_lens_cpu = m.seq_lens_cpu[:num_reqs]
+        use_cascade = common_prefix_len > 0
+        plan = self.ops.plan_batch_split
+        cu_prefix_query_lens = prefix_kv_lens = suffix_kv_lens = prefix_batch_split = None
+        kv_lens_cpu = seq_lens_cpu  # what the plain pass, or the suffix pass, attends over
+        if use_cascade:
+            cu_prefix_query_lens_cpu = torch.tensor([0, m.num_actual_tokens], dtype=torch.int32)
+            prefix_kv_lens_cpu = torch.tensor([common_prefix_len], dtype=torch.int32)
+            kv_lens_cpu = seq_lens_cpu - common_prefix_len
+            cu_prefix_query_lens = cu_prefix_query_lens_cpu.to(self.device, non_blocking=True)
+            prefix_kv_lens = prefix_kv_lens_cpu.to(self.device, non_blocking=True)
+            suffix_kv_lens = kv_lens_cpu.to(self.device, non_blocking=True)
+            if plan is not None:
+                prefix_batch_split = plan(cu_prefix_query_lens_cpu, prefix_kv_lens_cpu, self.device)
         return FlashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -66,13 +150,28 @@ class FlashAttentionMetadataBuilder:
             seq_lens=m.seq_lens[:num_reqs],
             block_table=m.block_table_tensor[:num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            use_cascade=False,
-            common_prefix_len=0,
-            batch_split=ops.plan_batch_split(
-                m.query_start_loc_cpu[: num_reqs + 1], m.seq_lens_cpu[:num_reqs], self.device
-            ),
+            ops=self.ops,
+            use_cascade=use_cascade,
+            common_prefix_len=common_prefix_len,
+            cu_prefix_query_lens=cu_prefix_query_lens,
+            prefix_kv_lens=prefix_kv_lens,
+            suffix_kv_lens=suffix_kv_lens,
+            batch_split=None if plan is None else plan(query_start_loc_cpu, kv_lens_cpu, self.device),
+            prefix_batch_split=prefix_batch_split,
             causal=m.causal,
         )
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return use_cascade_attention(*args, **kwargs)
+
+
+def _unified_attention(
+    ops: AttentionOps, split: reference.BatchSplit | None, **kwargs
+) -> torch.Tensor | None:
+    """Call the backend's `unified_attention`, handing the reference its host-side plan."""
+    if split is not None:
+        kwargs["split"] = split
+    return ops.unified_attention(**kwargs)
 
 
 class FlashAttentionImpl:
@@ -101,21 +200,43 @@ class FlashAttentionImpl:
             # taken as one causal sequence. Only the cost matters, not the values.
             return self._forward_without_cache(query, key, value, output)
         key_cache, value_cache = kv_cache.unbind(0)
+        ops = attn_metadata.ops
         ops.reshape_and_cache_flash(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         n = attn_metadata.num_actual_tokens
-        ops.unified_attention(
-            q=query[:n],
-            k_cache=key_cache,
-            v_cache=value_cache,
-            out=output[:n],
-            cu_seqlens_q=attn_metadata.query_start_loc,
-            max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=attn_metadata.seq_lens,
-            max_seqlen_k=attn_metadata.max_seq_len,
+        if not attn_metadata.use_cascade:
+            _unified_attention(
+                ops,
+                attn_metadata.batch_split,
+                q=query[:n],
+                k_cache=key_cache,
+                v_cache=value_cache,
+                out=output[:n],
+                cu_seqlens_q=attn_metadata.query_start_loc,
+                max_seqlen_q=attn_metadata.max_query_len,
+                seqused_k=attn_metadata.seq_lens,
+                max_seqlen_k=attn_metadata.max_seq_len,
+                softmax_scale=self.scale,
+                causal=attn_metadata.causal,
+                block_table=attn_metadata.block_table,
+            )
+            return output
+        cascade_attention(
+            output[:n],
+            query[:n],
+            key_cache,
+            value_cache,
+            cu_query_lens=attn_metadata.query_start_loc,
+            max_query_len=attn_metadata.max_query_len,
+            cu_prefix_query_lens=attn_metadata.cu_prefix_query_lens,
+            prefix_kv_lens=attn_metadata.prefix_kv_lens,
+            suffix_kv_lens=attn_metadata.suffix_kv_lens,
+            max_kv_len=attn_metadata.max_seq_len,
             softmax_scale=self.scale,
-            causal=attn_metadata.causal,
             block_table=attn_metadata.block_table,
-            split=attn_metadata.batch_split,
+            common_prefix_len=attn_metadata.common_prefix_len,
+            ops=ops,
+            prefix_split=attn_metadata.prefix_batch_split,
+            suffix_split=attn_metadata.batch_split,
         )
         return output
 
@@ -156,3 +277,117 @@ class FlashAttentionBackend:
     @staticmethod
     def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
         return FlashAttentionMetadataBuilder
+
+
+def use_cascade_attention(
+    common_prefix_len: int,
+    query_lens: np.ndarray,
+    num_query_heads: int,
+    num_kv_heads: int,
+    use_alibi: bool,
+    use_sliding_window: bool,
+    use_local_attention: bool,
+    num_sms: int,
+) -> bool:
+    """vLLM's rule for whether cascade attention should run this step.
+
+    First the cheap refusals: a prefix under 256 tokens, attention variants the two-pass
+    split does not handle, or fewer than 8 requests. Then, if the plain kernel would not
+    run as flash-decoding (which needs grouped KV heads and a batch of pure decodes), the
+    prefix pass saves memory traffic at no loss of parallelism: cascade. Otherwise both
+    are estimated in waves of 128 x 128 tiles over the SMs, and the faster one wins:
+    cascade gives each query head one program per 128 tokens, each looping over every
+    prefix tile; flash-decoding gives every (request, KV head, prefix tile) its own program.
+    """
+    if common_prefix_len < 256:
+        return False
+    if use_alibi or use_sliding_window or use_local_attention:
+        return False
+    num_reqs = len(query_lens)
+    if num_reqs < 8:
+        return False
+
+    num_queries_per_kv = num_query_heads // num_kv_heads
+    use_flash_decoding = num_queries_per_kv > 1 and bool(np.all(query_lens == 1))
+    if not use_flash_decoding:
+        return True
+
+    q_tile_size = kv_tile_size = 128  # flash-attn's default tiles
+    num_prefix_tiles = -(-common_prefix_len // kv_tile_size)
+    # Decodes only, so one query token per request.
+    cascade_ctas = num_query_heads * -(-num_reqs // q_tile_size)
+    cascade_waves = -(-cascade_ctas // num_sms)
+    cascade_time = cascade_waves * num_prefix_tiles  # each wave walks the whole prefix
+    flash_decoding_ctas = num_reqs * num_kv_heads * -(-num_queries_per_kv // q_tile_size) * num_prefix_tiles
+    flash_decoding_time = -(-flash_decoding_ctas // num_sms)  # each program handles one tile
+    return cascade_time < flash_decoding_time
+
+
+def cascade_attention(
+    output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    cu_query_lens: torch.Tensor,  # [num_reqs + 1] int32
+    max_query_len: int,
+    cu_prefix_query_lens: torch.Tensor,  # [2] int32: [0, num_tokens]
+    prefix_kv_lens: torch.Tensor,  # [1] int32: [common_prefix_len]
+    suffix_kv_lens: torch.Tensor,  # [num_reqs] int32: seq_lens - common_prefix_len
+    max_kv_len: int,
+    softmax_scale: float,
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req] int32
+    common_prefix_len: int,
+    ops: AttentionOps,
+    prefix_split: reference.BatchSplit | None = None,
+    suffix_split: reference.BatchSplit | None = None,
+) -> torch.Tensor:
+    """Attention over a shared prefix plus per-request suffixes, in two passes and a merge.
+
+    Prefix pass: every query of the batch, taken as one request, attends without a mask
+    to the prefix blocks (row 0 of the block table: all rows start with the same blocks).
+    No mask is right because the prefix ends at or before every request's first query
+    (the runner caps it by the smallest `num_computed_tokens`). Suffix pass: each request
+    attends causally to its blocks after the prefix. Each pass returns its log-sum-exp,
+    and `merge_attn_states` combines them into attention over the whole context.
+    """
+    num_tokens = query.shape[0]
+    block_size = key_cache.shape[1]
+    assert common_prefix_len % block_size == 0, "the shared prefix is made of whole blocks"
+    num_common_kv_blocks = common_prefix_len // block_size
+    assert num_common_kv_blocks > 0
+    common = {
+        "q": query,
+        "k_cache": key_cache,
+        "v_cache": value_cache,
+        "softmax_scale": softmax_scale,
+        "return_lse": True,
+    }
+
+    prefix_output = torch.empty_like(query)
+    prefix_lse = _unified_attention(
+        ops,
+        prefix_split,
+        out=prefix_output,
+        cu_seqlens_q=cu_prefix_query_lens,
+        max_seqlen_q=num_tokens,
+        seqused_k=prefix_kv_lens,
+        max_seqlen_k=common_prefix_len,
+        causal=False,
+        block_table=block_table[:1],
+        **common,
+    )
+    suffix_output = torch.empty_like(query)
+    suffix_lse = _unified_attention(
+        ops,
+        suffix_split,
+        out=suffix_output,
+        cu_seqlens_q=cu_query_lens,
+        max_seqlen_q=max_query_len,
+        seqused_k=suffix_kv_lens,
+        max_seqlen_k=max_kv_len - common_prefix_len,
+        causal=True,
+        block_table=block_table[:, num_common_kv_blocks:],  # a view: each row from its first suffix block
+        **common,
+    )
+    ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)
+    return output

@@ -35,13 +35,16 @@ def reshape_and_cache_flash(
     """Write each new token's key and value to its cache slot.
 
     Only the first `len(slot_mapping)` tokens are written: `key`/`value` may carry padding
-    rows after them (as with CUDA graphs later), and those have no slot.
+    rows after them (as with CUDA graphs later), and those have no slot. A slot of -1 also
+    means "no slot" (vLLM's mark for a padding token inside the mapping): it is skipped.
     """
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_size = key.shape[1], key.shape[2]
+    has_slot = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[has_slot]
     # The cache seen as one long array of slots: [num_blocks * block_size, num_kv_heads, head_size].
-    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key[:num_tokens])
-    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value[:num_tokens])
+    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, key[:num_tokens][has_slot])
+    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, value[:num_tokens][has_slot])
 
 
 @dataclass(slots=True)

@@ -1,0 +1,260 @@
+"""Decode steps without and with CUDA graphs (eager, piecewise, full): latency, launches, host time.
+
+Mirrors the measurement behind vLLM's CUDA graph numbers (vllm/benchmarks/latency.py) (chapter 08).
+
+Why it exists: chapter 08 claims that a small model's decode step is bound by the host
+launching kernels, not by the GPU running them, and that graphing everything between the
+attention calls (PIECEWISE) recovers most of what graphing the whole step (FULL) does. So
+for each mode, one engine on the same shape and weights measures, per batch size:
+  - the decode-step latency (`LLMEngine.step()`, and the model runner inside it);
+  - the host time of the forward call alone: launching, without waiting for the GPU;
+  - at one batch size, under torch.profiler, the kernels the host launched one by one,
+    the graphs it replayed, and the kernels the GPU ran;
+and the end-to-end throughput of a small `LLM.generate` workload. Ratios compare modes
+measured in the same run: eager/piecewise is what the graphs buy, piecewise/full what
+running attention eagerly costs. On a CPU there are no graphs; `CPU_MODES` compares the
+eager model with the split-and-compiled one (the host cost of the split path itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from nano_v1.benchmarks.gpu_suite import SuiteContext, max_warm_up_steps, time_decode_steps
+from nano_v1.benchmarks.throughput import time_llm_generate
+from nano_v1.benchmarks.utils import sample_random_requests
+from nano_v1.config import EngineArgs
+
+BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# Engine arguments of each mode. FULL_AND_PIECEWISE: a pure decode step is one full graph.
+MODES: dict[str, dict[str, Any]] = {
+    "eager": {"enforce_eager": True},
+    "piecewise": {"compilation_config": {"level": 3, "cudagraph_mode": "PIECEWISE"}},
+    "full": {"compilation_config": {"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}},
+}
+CPU_MODES: dict[str, dict[str, Any]] = {"eager": {}, "split": {"compilation_config": {"level": 3}}}
+# The host calls that launch one kernel each, and the one that launches a whole graph.
+KERNEL_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+GRAPH_LAUNCH_API = "cudaGraphLaunch"
+# The goals of GOALS.md at batch sizes <= 16: piecewise >= 2x eager, full <= 1.3x faster than piecewise.
+GOAL_BATCH_SIZE = 16
+
+
+class LaunchTimer:
+    """Stands in for the model runner's model and times each forward call on the host.
+
+    The call returns as soon as its kernels are queued (nothing in a forward pass waits for
+    the GPU), so this is the host's launch cost; `compute_logits` and the rest pass through.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.seconds: list[float] = []
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        output = self.model(*args)
+        self.seconds.append(time.perf_counter() - start)
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def count_launches(step: Callable[[], Any]) -> dict[str, int]:
+    """Kernels launched one by one, graphs launched, and kernels run on the GPU, in one `step()`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    names = Counter(e.name for e in events)
+    return {
+        "kernel_launches": sum(names[api] for api in KERNEL_LAUNCH_APIS),
+        "graph_launches": names[GRAPH_LAUNCH_API],
+        "gpu_kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA),
+    }
+
+
+def measure_mode(
+    llm: Any,
+    batch_sizes: list[int],
+    context_len: int,
+    num_steps: int,
+    profile_batch_size: int | None = None,
+    throughput_requests: list | None = None,
+    time_left: Callable[[], float] = lambda: float("inf"),
+) -> dict[str, Any]:
+    """One engine (an `LLM`) in its mode: decode-step rows per batch size, launches, throughput."""
+    engine = llm.llm_engine
+    runner = engine.engine_core.engine_core.model_executor.model_runner
+    vocab_size = engine.engine_config.model_config.get_vocab_size()
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {
+        "cudagraph_mode": engine.engine_config.compilation_config.cudagraph_mode.name,
+        "compilation_level": engine.engine_config.compilation_config.level,
+        "rows": [],
+    }
+    timer = runner.model = LaunchTimer(runner.model)
+    try:
+        for batch_size in batch_sizes:
+            rows = result["rows"]
+            if rows and time_left() < 3 * rows[-1]["wall_s"]:
+                result["truncated"] = f"stopped before batch size {batch_size}: the time cap was near"
+                break
+            row_start = time.perf_counter()
+            prompts = rng.integers(0, vocab_size, (batch_size, context_len)).tolist()
+            host_s: list[float] = []
+
+            def after_timed_steps(batch_size: int = batch_size, host_s: list[float] = host_s) -> None:
+                host_s.extend(timer.seconds[-num_steps:])
+                if batch_size == profile_batch_size:
+                    result["launches"] = {"batch_size": batch_size, **count_launches(engine.step)}
+
+            step_s, runner_s = time_decode_steps(engine, prompts, num_steps, after_timed_steps)
+            timer.seconds.clear()
+            rows.append(
+                {
+                    "batch_size": batch_size,
+                    "step_ms": 1e3 * statistics.median(step_s),
+                    "execute_model_ms": 1e3 * statistics.median(runner_s),
+                    "forward_host_ms": 1e3 * statistics.median(host_s),
+                    "wall_s": time.perf_counter() - row_start,
+                }
+            )
+        if throughput_requests:
+            run = time_llm_generate(llm, throughput_requests)
+            result["throughput"] = {
+                "elapsed_s": run.elapsed_s,
+                "output_tokens_per_s": run.num_output_tokens / run.elapsed_s,
+            }
+    finally:
+        runner.model = timer.model
+    return result
+
+
+def release_engines() -> None:
+    """Free the engines that went out of scope, before the next mode builds its own.
+
+    Dynamo's cache outlives an engine and holds its backend, with the graphs in it.
+    """
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def compare(results: dict[str, dict[str, Any]], peer: str, base: str) -> dict[str, float]:
+    """`base` step latency / `peer` step latency, per batch size both measured (> 1: peer is faster)."""
+    base_ms = {r["batch_size"]: r["step_ms"] for r in results[base]["rows"]}
+    return {
+        str(r["batch_size"]): base_ms[r["batch_size"]] / r["step_ms"]
+        for r in results[peer]["rows"]
+        if r["batch_size"] in base_ms
+    }
+
+
+def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
+    """The GPU suite's `cuda_graphs` measurement: the three modes on the Qwen3-0.6B shape (bf16, dummy weights).
+
+    Graphs are captured only at the measured batch sizes, to keep start-up short; every
+    mode uses the Triton attention kernel where this checkout has it (FULL needs it, and
+    the comparison must not change kernels between modes).
+    """
+    from nano_v1 import LLM
+
+    batch_sizes = [1, 2, 4] if ctx.smoke else BATCH_SIZES
+    context_len, num_steps = (32, 2) if ctx.smoke else (128, 10)
+    model_dir = ctx.model_dir("qwen3-0.6b")
+    base: dict[str, Any] = {
+        "max_model_len": 1024,
+        "max_num_seqs": max(batch_sizes),
+        "enable_prefix_caching": False,
+    }
+    if "attention_backend" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        base["attention_backend"] = "triton"
+    assert (
+        context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2
+        <= base["max_model_len"]
+    )
+    vocab_size = ctx.engine_args(model_dir).create_engine_config().model_config.get_vocab_size()
+    lens = (8, 16) if ctx.smoke else (100, 256)
+    requests = sample_random_requests(8 if ctx.smoke else 64, lens, lens, vocab_size, seed=0)
+    results = ctx.partial.setdefault("modes", {})
+    for mode, overrides in MODES.items():
+        overrides = dict(overrides)
+        if "compilation_config" in overrides:
+            overrides["compilation_config"] = {
+                **overrides["compilation_config"],
+                "cudagraph_capture_sizes": batch_sizes,
+            }
+        start = time.perf_counter()
+        llm = LLM(**dataclasses.asdict(ctx.engine_args(model_dir, **base, **overrides)))
+        startup_s = time.perf_counter() - start  # Dynamo's trace and the graph captures included
+        results[mode] = {
+            "startup_s": startup_s,
+            **measure_mode(
+                llm,
+                batch_sizes,
+                context_len,
+                num_steps,
+                profile_batch_size=min(8, max(batch_sizes)),
+                throughput_requests=requests,
+                time_left=ctx.time_left,
+            ),
+        }
+        del llm
+        release_engines()
+        rows = results[mode]["rows"]
+        print(
+            f"  {mode:>9} ({results[mode]['cudagraph_mode']}): "
+            + ", ".join(
+                f"B={r['batch_size']} {r['step_ms']:.2f} ms (host {r['forward_host_ms']:.2f})" for r in rows
+            )
+        )
+    ratios = {
+        "eager/piecewise": compare(results, "piecewise", "eager"),
+        "piecewise/full": compare(results, "full", "piecewise"),
+        "eager/full": compare(results, "full", "eager"),
+    }
+    small = [str(b) for b in batch_sizes if b <= GOAL_BATCH_SIZE]
+    summary = {
+        "goals": {
+            "min_eager_over_piecewise_at_small_batch": 2.0,
+            "max_piecewise_over_full_at_small_batch": 1.3,
+        },
+        "min_eager_over_piecewise_at_small_batch": min(
+            ratios["eager/piecewise"].get(b, np.nan) for b in small
+        ),
+        "max_piecewise_over_full_at_small_batch": max(ratios["piecewise/full"].get(b, np.nan) for b in small),
+        "throughput_piecewise_over_eager": (
+            results["piecewise"]["throughput"]["output_tokens_per_s"]
+            / results["eager"]["throughput"]["output_tokens_per_s"]
+        ),
+    }
+    return {
+        "model": "tiny Qwen3 (smoke)" if ctx.smoke else "qwen3-0.6b",
+        "context_len": context_len,
+        "num_timed_steps": num_steps,
+        "throughput_workload": {
+            "num_prompts": len(requests),
+            "input_len_range": list(lens),
+            "output_len_range": list(lens),
+        },
+        "modes": results,
+        "ratios": ratios,
+        "summary": summary,
+    }

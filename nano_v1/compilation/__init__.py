@@ -1,0 +1,1 @@
+"""Piecewise compilation and CUDA graphs (chapter 08). Mirrors vllm/compilation/."""

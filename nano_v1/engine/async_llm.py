@@ -1,0 +1,131 @@
+"""The asyncio engine behind the API server: many concurrent streams over one engine core.
+
+Mirrors vllm/v1/engine/async_llm.py (chapter 09).
+
+Why a second frontend: `LLMEngine` serves one caller who steps it in a loop. A server
+has many callers arriving at any time, each awaiting its own stream. Here the engine
+core always runs in its own process (`AsyncMPClient`), and one background task, the
+output handler, is the only reader of its outputs: it detokenizes each step's outputs
+(`OutputProcessor`) and puts each request's `RequestOutput` on that request's queue,
+where `generate()` is waiting. Tokenizing new prompts, detokenizing, and the HTTP work
+all run in this process while the core computes the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+
+from nano_v1.config import EngineArgs, EngineConfig
+from nano_v1.engine import EngineDeadError
+from nano_v1.engine.core_client import AsyncMPClient, EngineCoreClient
+from nano_v1.engine.llm_engine import fan_out
+from nano_v1.engine.output_processor import OutputProcessor
+from nano_v1.engine.processor import Processor, PromptType, load_tokenizer
+from nano_v1.outputs import RequestOutput
+from nano_v1.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Create inside a running event loop (`AsyncLLM.from_engine_args(...)`)."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.tokenizer = load_tokenizer(engine_config.model_config)
+        self.processor = Processor(engine_config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core: AsyncMPClient = EngineCoreClient.make_client(
+            multiprocess_mode=True, asyncio_mode=True, engine_config=engine_config
+        )
+        # Per user request: the queue its `generate()` awaits (outputs, or the error that ended it).
+        self.request_queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self.dead_error: EngineDeadError | None = None
+        self.output_handler = asyncio.create_task(self._run_output_handler(), name="AsyncLLMOutputHandler")
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config())
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> asyncio.Queue[RequestOutput | Exception]:
+        """Validate (raising ValueError), then queue the request in the core; return its output queue."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self.request_queues:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        prompt_text, request = self.processor.process_inputs(request_id, prompt, params)
+        requests = fan_out(request)
+        request_queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.request_queues[request_id] = request_queue
+        self.output_processor.add_request(request_id, prompt_text, requests)
+        for child in requests:
+            await self.engine_core.add_request_async(child)
+        return request_queue
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs as they come (deltas with `output_kind=DELTA`).
+
+        If the caller stops iterating (a client disconnected, its task was cancelled), the
+        request is aborted in the core, so its KV blocks go back to the pool at once.
+        """
+        request_queue = await self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                output = await request_queue.get()
+                if isinstance(output, Exception):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (no error if it already finished)."""
+        self.request_queues.pop(request_id, None)
+        await self.engine_core.abort_requests_async(self.output_processor.abort_requests([request_id]))
+
+    async def _run_output_handler(self) -> None:
+        """The one reader of the core's outputs: detokenize, route to queues, abort stop-string hits."""
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                for output in processed.request_outputs:
+                    request_queue = self.request_queues.get(output.request_id)
+                    if request_queue is not None:
+                        request_queue.put_nowait(output)
+                    if output.finished:
+                        self.request_queues.pop(output.request_id, None)
+                await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+        except Exception as e:
+            # The core is gone (or the output path broke): fail every waiting and future request.
+            self.dead_error = e if isinstance(e, EngineDeadError) else EngineDeadError(repr(e))
+            logger.error("AsyncLLM output handler stopped: %s", self.dead_error)
+            for request_queue in self.request_queues.values():
+                request_queue.put_nowait(self.dead_error)
+            self.request_queues.clear()
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core is gone."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.engine_core.ensure_alive()
+
+    def shutdown(self) -> None:
+        self.output_handler.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,27 @@
+"""Environment variables that switch engine behaviour, with vLLM's names.
+
+Mirrors vllm/envs.py (chapter 09).
+
+Why environment variables: these choose how the engine is laid out in processes, which
+the code under `LLM(...)` decides long before any argument could reach it (and vLLM's
+users already know the names). Each is read when it is needed, not at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def enable_v1_multiprocessing() -> bool:
+    """VLLM_ENABLE_V1_MULTIPROCESSING (default 1): run the engine core in its own process."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in ("0", "false", "False")
+
+
+def worker_multiproc_method() -> str | None:
+    """VLLM_WORKER_MULTIPROC_METHOD: how to start the engine-core process (None: the engine chooses)."""
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    if method not in (None, "fork", "forkserver", "spawn"):
+        raise ValueError(
+            f"VLLM_WORKER_MULTIPROC_METHOD must be 'fork', 'forkserver' or 'spawn', got {method!r}."
+        )
+    return method

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over loopback.
+
+One server (`BackgroundServer`: the engine core in its own process, the HTTP server in
+a thread of the test process) serves the whole module; the last test
+starts a second one and kills its engine core. Every call has a client-side timeout, so
+a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from nano_v1.config import EngineArgs
+from nano_v1.entrypoints.openai.api_server import BackgroundServer
+
+pytestmark = pytest.mark.ch09
+
+TIMEOUT_S = 60
+PROMPT = "def fibonacci(n):\n"
+ENGINE_KWARGS = dict(max_model_len=1024, block_size=16, num_gpu_blocks_override=512, dtype="float32")
+
+
+class ServerThread(BackgroundServer):
+    def __init__(self, **engine_kwargs) -> None:
+        super().__init__(EngineArgs(**engine_kwargs))
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerThread(**ENGINE_KWARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def wait_until_idle(server: ServerThread, within_s: float) -> None:
+    """All requests gone from the core and every KV block free again, within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while server.call_utility("get_num_unfinished_requests") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.call_utility("get_num_unfinished_requests") == 0
+    assert server.call_utility("get_kv_cache_usage") == 0.0
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    assert httpx.get(f"{server.base_url}/health", timeout=TIMEOUT_S).status_code == 200
+
+
+def stream_completion(client, **kwargs) -> tuple[dict[int, str], dict[int, str]]:
+    """Concatenate the streamed text per choice; also return each choice's finish reason."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in client.completions.create(model="demo", stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason is not None:
+                assert choice.index not in reasons, "finish_reason sent twice"
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(prompt=PROMPT, max_tokens=16, temperature=0.0)
+    full = client.completions.create(model="demo", **kwargs)
+    assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
+    assert full.choices[0].text
+    texts, reasons = stream_completion(client, **kwargs)
+    assert texts == {0: full.choices[0].text}
+    assert reasons == {0: full.choices[0].finish_reason}
+
+
+def test_stop_string_trimmed_streamed_and_not(client):
+    kwargs = dict(prompt=PROMPT, max_tokens=16, temperature=0.0)
+    text = client.completions.create(model="demo", **kwargs).choices[0].text
+    stop = text[5:8]  # three characters from inside the greedy output
+    expected = text[: text.index(stop)]
+    full = client.completions.create(model="demo", stop=[stop], **kwargs)
+    assert full.choices[0].text == expected
+    assert full.choices[0].finish_reason == "stop"
+    assert stream_completion(client, stop=[stop], **kwargs) == ({0: expected}, {0: "stop"})
+
+
+def test_n2_seeded_stream_equals_non_stream(client):
+    kwargs = dict(prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+    full = client.completions.create(model="demo", **kwargs)
+    by_index = {c.index: c.text for c in full.choices}
+    assert sorted(by_index) == [0, 1] and by_index[0] != by_index[1]
+    assert full.usage.completion_tokens == 16
+    texts, reasons = stream_completion(client, **kwargs)
+    assert texts == by_index and reasons == {0: "length", 1: "length"}
+
+
+def test_chat_uses_chat_template(server, client):
+    messages = [{"role": "user", "content": "write a function"}]
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0.0)
+    # Oracle: the same prompt through /v1/completions, built with the tokenizer's template.
+    prompt = server.engine.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    completion = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0.0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == completion.choices[0].text
+    streamed = ""
+    for chunk in client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=12, temperature=0.0, stream=True
+    ):
+        streamed += chunk.choices[0].delta.content or ""
+    assert streamed == chat.choices[0].message.content
+
+
+def test_32_concurrent_streams_complete_and_free_all_blocks(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.completions.create(
+            model="demo",
+            prompt=f"x{i} = ",
+            max_tokens=8,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def run_all() -> list[int]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S
+        )
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(run_all()) == [8] * 32
+    wait_until_idle(server, within_s=5)
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "JSON"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ({"model": "demo", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": "demo", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "demo", "prompt": 12.5}, 400, "prompt"),
+        ({"model": "demo", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "demo", "prompt": list(range(3, 1100))}, 400, "max_model_len"),
+        ({"model": "demo"}, 400, "prompt"),
+    ],
+)
+def test_bad_request_gets_error_and_server_keeps_serving(server, client, body, status, message):
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=TIMEOUT_S, **kwargs)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["code"] == status
+    assert client.completions.create(model="demo", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_bad_chat_request(server):
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"messages": "hi"}, timeout=TIMEOUT_S
+    )
+    assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
+
+
+def test_disconnect_mid_stream_aborts_in_core(server):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.call_utility("get_num_unfinished_requests") == 1
+    # 1000 tokens would take far longer than this: only an abort frees the request this soon.
+    start = time.monotonic()
+    wait_until_idle(server, within_s=3)
+    assert time.monotonic() - start < 3
+
+
+def test_nano_v1_serve_command():
+    """The real entrypoint in its own process: it comes up, serves, and stops on Ctrl-C."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [
+        sys.executable,
+        "-m",
+        "nano_v1.entrypoints.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "demo",
+        "--max-model-len",
+        "128",
+        "--num-gpu-blocks-override",
+        "32",
+    ]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "nano-v1 serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S
+        )
+        assert (
+            client.completions.create(model="demo", prompt="import", max_tokens=3).usage.completion_tokens
+            >= 1
+        )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) is not None
+
+
+def test_engine_core_killed_requests_fail_fast(server):
+    """Last: a second server whose engine core we SIGKILL mid-stream."""
+    doomed = ServerThread(**ENGINE_KWARGS)
+    try:
+        client = doomed.client()
+        pid = doomed.engine.engine_core.resources.proc.pid
+        stream = client.completions.create(
+            model="demo", prompt=PROMPT, max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine core"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 10
+        with pytest.raises(openai.APIStatusError, match="engine core") as info:
+            client.completions.create(model="demo", prompt="x", max_tokens=2)
+        assert info.value.status_code == 503
+        assert httpx.get(f"{doomed.base_url}/health", timeout=TIMEOUT_S).status_code == 503
+    finally:
+        doomed.stop()

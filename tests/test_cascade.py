@@ -1,0 +1,364 @@
+"""Cascade attention: the decision rule, the two-pass computation, the prefix length, end to end.
+
+Oracles: the rule as vLLM states it, written out again independently; float64 attention of
+each request over its contiguous context; hand-computed prefix lengths; transformers'
+greedy tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_llm import MAX_NEW, hf_greedy, make_prompts
+
+from nano_v1 import LLM, SamplingParams
+from nano_v1.attention.backends import flash_attn
+from nano_v1.attention.backends.flash_attn import (
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+    get_attention_ops,
+    use_cascade_attention,
+)
+from nano_v1.attention.backends.utils import CommonAttentionMetadata
+from nano_v1.config import EngineArgs
+
+pytestmark = pytest.mark.ch07
+
+
+# ---------------------------------------------------------------- the rule
+def vllm_rule(prefix: int, query_lens: list[int], heads: int, kv_heads: int, variant: bool, sms: int) -> bool:
+    """vLLM's rule in its own words: thresholds, then a tile-wave cost model for flash-decoding."""
+    if prefix < 256 or variant or len(query_lens) < 8:
+        return False
+    group = heads // kv_heads
+    flash_decoding = group > 1 and all(q == 1 for q in query_lens)
+    if not flash_decoding:
+        return True
+    tiles = math.ceil(prefix / 128)
+    # Cascade: one CTA per (query head, 128 queries); each wave walks all prefix tiles.
+    cascade = math.ceil(heads * math.ceil(len(query_lens) / 128) / sms) * tiles
+    # Flash-decoding: one CTA per (request, KV head, prefix tile), in waves of `sms`.
+    flash = math.ceil(len(query_lens) * kv_heads * math.ceil(group / 128) * tiles / sms)
+    return cascade < flash
+
+
+GRID = list(
+    itertools.product(
+        [0, 255, 256, 300, 1024, 16384],  # prefix
+        [1, 7, 8, 33, 128, 1000],  # requests
+        ["decode", "chunk"],  # all decodes, or one request with several queries
+        [(16, 8), (32, 32), (64, 8), (64, 4)],  # (query heads, KV heads)
+        [None, "alibi", "sliding_window", "local_attention"],
+        [16, 132],  # SMs
+    )
+)
+
+
+def test_rule_on_a_grid():
+    outcomes = []
+    for prefix, num_reqs, kind, (heads, kv_heads), variant, sms in GRID:
+        query_lens = np.ones(num_reqs, dtype=np.int32)
+        if kind == "chunk":
+            query_lens[-1] = 17
+        got = use_cascade_attention(
+            common_prefix_len=prefix,
+            query_lens=query_lens,
+            num_query_heads=heads,
+            num_kv_heads=kv_heads,
+            use_alibi=variant == "alibi",
+            use_sliding_window=variant == "sliding_window",
+            use_local_attention=variant == "local_attention",
+            num_sms=sms,
+        )
+        expected = vllm_rule(prefix, query_lens.tolist(), heads, kv_heads, variant is not None, sms)
+        assert got == expected, (prefix, num_reqs, kind, heads, kv_heads, variant, sms)
+        if variant is None and kind == "decode" and heads != kv_heads and prefix >= 256 and num_reqs >= 8:
+            outcomes.append(got)
+    # The cost model itself must go both ways on this grid, or the grid tests only the thresholds.
+    assert True in outcomes and False in outcomes
+
+
+@pytest.mark.parametrize(
+    "prefix, num_reqs, heads, kv_heads, sms, expected",
+    [
+        # Qwen3-0.6B, 128 decodes on a 16k prefix: cascade 1 wave x 128 tiles = 128;
+        # flash-decoding 128 x 8 x 128 = 131,072 CTAs / 132 = 993 waves.
+        (16384, 128, 16, 8, 132, True),
+        # 8 decodes on 256 tokens, 64 heads over 8 KV heads: cascade 2 tiles in 1 wave = 2;
+        # flash-decoding 8 x 8 x 2 = 128 CTAs fit in 1 wave. Flash-decoding wins.
+        (256, 8, 64, 8, 132, False),
+        # Multi-head attention never uses flash-decoding: cascade whenever the thresholds pass.
+        (256, 8, 32, 32, 132, True),
+    ],
+)
+def test_rule_by_hand(prefix, num_reqs, heads, kv_heads, sms, expected):
+    query_lens = np.ones(num_reqs, dtype=np.int32)
+    assert use_cascade_attention(prefix, query_lens, heads, kv_heads, False, False, False, sms) is expected
+
+
+# ---------------------------------------------------------------- the computation
+NUM_KV_HEADS = 2
+BLOCK_SIZE = 8
+HEAD_SIZE = 32
+
+
+def float64_attention(q, k, v, num_computed: int, scale: float) -> torch.Tensor:
+    """Causal attention of one request in float64: q [Lq, Hq, D] at positions num_computed.., k, v [L, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.double().transpose(0, 1) for x in (q, k, v))  # [heads, tokens, head_size]
+    visible = torch.arange(k.shape[1])[None, :] <= num_computed + torch.arange(q.shape[1])[:, None]
+    o = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), attn_mask=visible, scale=scale
+    )
+    return o.transpose(0, 1)  # [Lq, Hq, D]
+
+
+def _shared_prefix_batch(rng: np.random.Generator, num_reqs: int):
+    """Requests whose first `prefix_blocks` blocks are the same blocks; (computed beyond prefix, queries)."""
+    own_computed, query_lens = [], []
+    for r in range(num_reqs):
+        kind = (
+            ["decode", "chunk", "first_chunk_after_prefix"][r % 3]
+            if r < 3
+            else rng.choice(["decode", "chunk"])
+        )
+        if kind == "decode":
+            own_computed.append(int(rng.integers(0, 30)))
+            query_lens.append(1)
+        elif kind == "chunk":
+            own_computed.append(int(rng.integers(1, 30)))
+            query_lens.append(int(rng.integers(2, 20)))
+        else:  # num_computed_tokens equals the prefix exactly: the suffix is this step's queries
+            own_computed.append(0)
+            query_lens.append(int(rng.integers(2, 20)))
+    return own_computed, query_lens
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("prefix_blocks", [1, 3, 8])
+def test_cascade_equals_plain_and_float64(prefix_blocks, group):
+    rng = np.random.default_rng(prefix_blocks * 10 + group)
+    torch.manual_seed(prefix_blocks * 10 + group)
+    num_heads = NUM_KV_HEADS * group
+    prefix_len = prefix_blocks * BLOCK_SIZE
+    own_computed, query_lens = _shared_prefix_batch(rng, num_reqs=int(rng.integers(5, 10)))
+    num_reqs = len(query_lens)
+    computed = [prefix_len + c for c in own_computed]
+    seq_lens = [c + q for c, q in zip(computed, query_lens)]
+
+    # Block table: the same prefix blocks in every row, then each request's own shuffled blocks.
+    own_blocks = [-(-(s - prefix_len) // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = prefix_blocks + sum(own_blocks) + 3
+    ids = rng.permutation(num_blocks)
+    max_blocks = prefix_blocks + max(own_blocks) + 1
+    block_table = torch.full(
+        (num_reqs, max_blocks), int(ids[-1]), dtype=torch.int32
+    )  # padding: a spare block
+    block_table[:, :prefix_blocks] = torch.from_numpy(ids[:prefix_blocks])
+    start = prefix_blocks
+    for r, n in enumerate(own_blocks):
+        block_table[r, prefix_blocks : prefix_blocks + n] = torch.from_numpy(ids[start : start + n])
+        start += n
+
+    # The context: the prefix once, then each request's own tokens. Unwritten slots are NaN.
+    prefix_k, prefix_v = torch.randn(2, prefix_len, NUM_KV_HEADS, HEAD_SIZE)
+    keys = [torch.cat([prefix_k, torch.randn(s - prefix_len, NUM_KV_HEADS, HEAD_SIZE)]) for s in seq_lens]
+    values = [torch.cat([prefix_v, torch.randn(s - prefix_len, NUM_KV_HEADS, HEAD_SIZE)]) for s in seq_lens]
+    kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), float("nan"))
+    flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)  # [2, num_slots, num_kv_heads, head_size]
+
+    def slots(r: int, positions: range) -> torch.Tensor:
+        pos = torch.tensor(list(positions), dtype=torch.int64)
+        return block_table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    for r in range(num_reqs):  # the earlier steps' context; this step's tokens go through the backend
+        flat[0, slots(r, range(computed[r]))] = keys[r][: computed[r]]
+        flat[1, slots(r, range(computed[r]))] = values[r][: computed[r]]
+    slot_mapping = torch.cat([slots(r, range(computed[r], seq_lens[r])) for r in range(num_reqs)])
+    new_k = torch.cat([keys[r][computed[r] :] for r in range(num_reqs)])
+    new_v = torch.cat([values[r][computed[r] :] for r in range(num_reqs)])
+
+    num_tokens = sum(query_lens)
+    query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        num_computed_tokens_cpu=torch.tensor(computed, dtype=torch.int32),
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
+    )
+    builder = FlashAttentionMetadataBuilder(torch.device("cpu"), "torch")
+    impl = FlashAttentionImpl(num_heads, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS)
+    q = torch.randn(num_tokens, num_heads, HEAD_SIZE)
+
+    cascade_metadata = builder.build(prefix_len, common)
+    assert cascade_metadata.use_cascade
+    assert cascade_metadata.suffix_kv_lens.tolist() == [s - prefix_len for s in seq_lens]
+    cascade_out = torch.full_like(q, float("nan"))
+    impl.forward(None, q, new_k, new_v, kv_cache, cascade_metadata, cascade_out)
+    plain_out = torch.full_like(q, float("nan"))
+    impl.forward(None, q, new_k, new_v, kv_cache, builder.build(0, common), plain_out)
+
+    torch.testing.assert_close(cascade_out, plain_out, atol=1e-5, rtol=1e-5)
+    for r in range(num_reqs):
+        rows = slice(int(query_start_loc[r]), int(query_start_loc[r + 1]))
+        expected = float64_attention(q[rows], keys[r], values[r], computed[r], HEAD_SIZE**-0.5)
+        torch.testing.assert_close(cascade_out[rows].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the prefix length
+@pytest.fixture(scope="module")
+def runner(tiny_qwen3):
+    """A model runner without weights: `_compute_cascade_attn_prefix_len` reads only the batch."""
+    from nano_v1.worker.gpu_model_runner import GPUModelRunner
+
+    config = EngineArgs(model=tiny_qwen3, block_size=16, max_model_len=512).create_engine_config()
+    return GPUModelRunner(config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "num_computed, num_common_blocks, expected",
+    [
+        ([100, 120, 300], 6, 96),  # 6 blocks = 96 tokens; every request computed more
+        ([70, 120, 300], 6, 64),  # capped by the smallest num_computed_tokens (70), down to 4 blocks
+        ([64, 120, 300], 6, 64),  # exactly whole blocks: kept
+        ([0, 120, 300], 6, 0),  # a new request has computed nothing: no prefix pass possible
+        ([15, 120, 300], 6, 0),  # less than one block computed: rounds down to 0
+        ([100, 120, 300], 0, 0),  # nothing shared
+    ],
+)
+def test_prefix_len(runner, monkeypatch, num_computed, num_common_blocks, expected):
+    asked = []
+
+    def always(**kwargs):
+        asked.append(kwargs["common_prefix_len"])
+        return True
+
+    monkeypatch.setattr(runner.attn_metadata_builder, "use_cascade_attention", always)
+    n = len(num_computed)
+    monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.array(num_computed + [999] * 5))
+    assert runner._compute_cascade_attn_prefix_len(np.ones(n, dtype=np.int32), num_common_blocks) == expected
+    assert asked == ([] if num_common_blocks == 0 else [expected])
+
+
+def test_prefix_len_is_zero_when_the_rule_says_no(runner, monkeypatch):
+    monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.full(8, 1000))
+    # 8 decodes on a 992-token prefix, Qwen3 tiny's 4 query heads over 2 KV heads, on 132 SMs:
+    # cascade 1 wave x 8 tiles = 8; flash-decoding 8 x 2 x 8 = 128 CTAs, 1 wave. No cascade.
+    assert runner._compute_cascade_attn_prefix_len(np.ones(8, dtype=np.int32), 62) == 0
+
+
+# ---------------------------------------------------------------- end to end
+def _count_cascades(monkeypatch, force: bool = True) -> list[int]:
+    """Record the prefix length of every cascade_attention call; with `force`, the rule always says yes."""
+    calls: list[int] = []
+    original = flash_attn.cascade_attention
+    if force:
+        monkeypatch.setattr(flash_attn, "use_cascade_attention", lambda **kwargs: True)
+    monkeypatch.setattr(
+        flash_attn,
+        "cascade_attention",
+        lambda *args, **kwargs: (calls.append(kwargs["common_prefix_len"]), original(*args, **kwargs))[1],
+    )
+    return calls
+
+
+def _greedy_with_cascade(path: str, prompts: list[list[int]], max_new: int, **engine_args) -> list[list[int]]:
+    llm = LLM(model=path, dtype="float32", block_size=16, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_reference(tiny_qwen3):
+    # Six prompts behind a 70-token shared prefix: 4 shared blocks of 16 once computed.
+    prompts = make_prompts(5, shared_prefix=70)
+    return tiny_qwen3, prompts, hf_greedy(tiny_qwen3, prompts)
+
+
+def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatch):
+    path, prompts, expected = shared_prefix_reference
+    calls = _count_cascades(monkeypatch)
+    assert _greedy_with_cascade(path, prompts, MAX_NEW, attention_backend="torch") == expected
+    assert calls and set(calls) <= {16, 32, 48, 64} and 64 in calls
+
+
+def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, monkeypatch):
+    pytest.importorskip(
+        "nano_v1.attention.ops.triton_unified_attention", reason="the Triton kernels (chapter 06)"
+    )
+    path, prompts, expected = shared_prefix_reference
+    calls = _count_cascades(monkeypatch)
+    # The interpreter is slow: the first three prompts, a few tokens each.
+    got = _greedy_with_cascade(path, prompts[:3], 4, attention_backend="triton")
+    assert got == [e[:4] for e in expected[:3]]
+    assert calls
+
+
+def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
+    """No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
+    from conftest import make_tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3", num_key_value_heads=4)
+    prefix = make_prompts(6, shared_prefix=256)[0][:256]
+    prompts = [prefix + [3 + i] for i in range(8)]
+    calls = _count_cascades(monkeypatch, force=False)
+    got = _greedy_with_cascade(path, prompts, 4)
+    # The prompts have one length, so transformers can run them as one batch without padding.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=4)[:, 257:].tolist()
+    assert got == expected
+    # The first step prefills (nothing computed yet: no cascade); every decode step cascades.
+    assert calls and set(calls) == {256}
+
+
+def test_disable_cascade_attn_never_cascades(tiny_qwen3, monkeypatch):
+    calls = _count_cascades(monkeypatch)
+    _greedy_with_cascade(tiny_qwen3, make_prompts(5, shared_prefix=70), 4, disable_cascade_attn=True)
+    assert calls == []
+
+
+# ---------------------------------------------------------------- the bytes-read model
+def test_bytes_model():
+    from nano_v1.benchmarks.cascade import QWEN3_0_6B_ATTENTION, attention_traffic, kv_tokens_read
+
+    # The seed example: a 10,000-token system prompt and 10 chats of 100 tokens.
+    assert kv_tokens_read(10_000, 10, 100, cascade=False) == (10_000 + 100) * 10
+    assert kv_tokens_read(10_000, 10, 100, cascade=True) == 10_000 + 100 * 10
+    # One Qwen3-0.6B layer: 2 x 8 KV heads x 128 x 2 bytes = 4 KiB per token; same FLOPs both ways.
+    plain = attention_traffic(16384, 128, 128, QWEN3_0_6B_ATTENTION, cascade=False)
+    cascade = attention_traffic(16384, 128, 128, QWEN3_0_6B_ATTENTION, cascade=True)
+    assert plain.kv_bytes == 128 * (16384 + 128) * 4096 and cascade.kv_bytes == (16384 + 128 * 128) * 4096
+    assert plain.flops == cascade.flops == 4 * 128 * 16 * 128 * (16384 + 128)
+
+
+# ---------------------------------------------------------------- configuration
+def test_attention_backend_config(tiny_qwen3):
+    def resolved(**kwargs):
+        return EngineArgs(model=tiny_qwen3, device="cpu", **kwargs).create_engine_config().model_config
+
+    assert resolved().attention_backend == "torch"  # the default on a CPU
+    assert resolved(attention_backend="triton").attention_backend == "triton"
+    assert resolved().disable_cascade_attn is False
+    assert resolved(disable_cascade_attn=True).disable_cascade_attn is True
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolved(attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_ops("flashinfer")
+    if torch.cuda.is_available():
+        cuda = EngineArgs(model=tiny_qwen3, device="cuda").create_engine_config().model_config
+        assert cuda.attention_backend == "triton"
