@@ -303,19 +303,19 @@ def time_decode_steps(
     return step_s, runner_s
 
 
-@register("decode_latency", cap_s=45)
+@register("decode_latency", cap_s=30)
 def decode_latency(ctx: SuiteContext) -> dict[str, Any]:
     """Decode-step latency vs batch size (1-256), Qwen3-0.6B shape, context 512, against the roofline."""
     return decode_latency_sweep(ctx, "qwen3-0.6b")
 
 
-@register("decode_latency_qwen3_4b", cap_s=40, needs_cuda=True)
+@register("decode_latency_qwen3_4b", cap_s=20, needs_cuda=True)
 def decode_latency_qwen3_4b(ctx: SuiteContext) -> dict[str, Any]:
     """The same sweep at the Qwen3-4B shape (8 GB of weights per step: a second point on the roofline)."""
     return decode_latency_sweep(ctx, "qwen3-4b")
 
 
-@register("attention_kernels", cap_s=60, needs_cuda=True)
+@register("attention_kernels", cap_s=30, needs_cuda=True)
 def attention_kernels(ctx: SuiteContext) -> dict[str, Any]:
     """Triton paged attention vs gather+SDPA, prefill/decode/mixed batches, Qwen3-0.6B attention shape."""
     from nano_v1.benchmarks.attention_kernels import run_attention_kernels
@@ -392,7 +392,7 @@ def _throughput_report(ctx: SuiteContext, engine: str, result, workload: dict[st
     }
 
 
-@register("throughput_qwen3_0.6b", cap_s=110)
+@register("throughput_qwen3_0.6b", cap_s=60)
 def throughput_nano_v1(ctx: SuiteContext) -> dict[str, Any]:
     """nano_v1 `LLM.generate` on nano-vllm's workload, Qwen3-0.6B shape, dummy weights, ignore_eos."""
     model_dir = ctx.model_dir("qwen3-0.6b")
@@ -403,7 +403,7 @@ def throughput_nano_v1(ctx: SuiteContext) -> dict[str, Any]:
     return _throughput_report(ctx, "nano_v1", result, workload, requests, engine_args)
 
 
-@register("throughput_qwen3_0.6b.generate_batch", cap_s=120)
+@register("throughput_qwen3_0.6b.generate_batch", cap_s=60)
 def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
     """transformers' continuous batching (`generate_batch`'s manager) on the same workload and shape."""
     model_dir = ctx.model_dir("qwen3-0.6b")
@@ -415,7 +415,7 @@ def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
     return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, engine_args)
 
 
-@register("cuda_graphs", cap_s=120, needs_cuda=True)
+@register("cuda_graphs", cap_s=55, needs_cuda=True)
 def cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     """Decode-step latency, kernel launches and host time per step: eager vs piecewise vs full CUDA graphs."""
     from nano_v1.benchmarks.cuda_graphs import measure_cuda_graphs
@@ -423,7 +423,7 @@ def cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     return measure_cuda_graphs(ctx)
 
 
-@register("spec_decode_verify_cost", cap_s=60, needs_cuda=True)
+@register("spec_decode_verify_cost", cap_s=25, needs_cuda=True)
 def spec_decode_verify_cost(ctx: SuiteContext) -> dict[str, Any]:
     """Step time verifying 1 + k tokens per request vs a plain decode step (0.6B shape), and the break-even acceptance rate."""
     from nano_v1.benchmarks.spec_decode import verify_cost_sweep
@@ -441,7 +441,7 @@ def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     return model.eval()
 
 
-@register("cascade_attention", cap_s=90, needs_cuda=True)
+@register("cascade_attention", cap_s=35, needs_cuda=True)
 def cascade_attention(ctx: SuiteContext) -> dict[str, Any]:
     """Cascade vs plain attention (Triton), Qwen3-0.6B attention, prefix 1k-32k x batch 8-256 x suffix 128/1024."""
     from nano_v1.benchmarks.cascade import run_grid
