@@ -124,7 +124,7 @@ def measure_mode(
                 if batch_size == profile_batch_size:
                     result["launches"] = {"batch_size": batch_size, **count_launches(engine.step)}
 
-            step_s, runner_s = time_decode_steps(engine, prompts, num_steps, after_timed_steps)
+            step_s, runner_s = time_decode_steps(engine, prompts, num_steps, after_timed_steps=after_timed_steps)
             timer.seconds.clear()
             rows.append(
                 {

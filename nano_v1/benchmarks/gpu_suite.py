@@ -236,6 +236,7 @@ def time_decode_steps(
     engine,
     prompts: list[list[int]],
     num_steps: int,
+    *,
     num_spec_tokens: int = 0,
     after_timed_steps: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[float]]:
