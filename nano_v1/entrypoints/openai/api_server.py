@@ -36,6 +36,8 @@ from nano_v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
     ChatResponseMessage,
     CompletionRequest,
     CompletionResponse,
@@ -208,14 +210,12 @@ async def _stream_events(
                     if chat:
                         role = None if c.index in sent_role else "assistant"
                         sent_role.add(c.index)
-                        choice = ChatCompletionResponseChoice(
+                        choice = ChatCompletionResponseStreamChoice(
                             index=c.index,
                             delta=ChatResponseMessage(role=role, content=c.text),
                             finish_reason=c.finish_reason,
                         )
-                        chunk = ChatCompletionResponse(
-                            id=request_id, object="chat.completion.chunk", model=model, choices=[choice]
-                        )
+                        chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
                     else:
                         sent_role.add(c.index)
                         choice = CompletionResponseChoice(
@@ -230,14 +230,9 @@ async def _stream_events(
                     break
                 output = await anext(generator)
             if include_usage:
-                response_type = ChatCompletionResponse if chat else CompletionResponse
-                kwargs = {"object": "chat.completion.chunk"} if chat else {}
+                response_type = ChatCompletionStreamResponse if chat else CompletionResponse
                 usage_chunk = response_type(
-                    id=request_id,
-                    model=model,
-                    choices=[],
-                    usage=_usage(first, num_completion_tokens),
-                    **kwargs,
+                    id=request_id, model=model, choices=[], usage=_usage(first, num_completion_tokens)
                 )
                 yield f"data: {usage_chunk.model_dump_json(exclude_none=True)}\n\n"
         except EngineDeadError as e:

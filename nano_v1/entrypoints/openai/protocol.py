@@ -138,16 +138,33 @@ class ChatResponseMessage(OpenAIBaseModel):
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
-    message: ChatResponseMessage | None = None
-    delta: ChatResponseMessage | None = None  # streaming chunks carry a delta instead of a message
+    message: ChatResponseMessage
     logprobs: None = None
     finish_reason: str | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
     id: str
-    object: Literal["chat.completion", "chat.completion.chunk"] = "chat.completion"
+    object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    """A streamed chunk's choice: the new piece of the message (`delta`), not the whole of it."""
+
+    index: int
+    delta: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
