@@ -114,21 +114,31 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class ChoiceBase(OpenAIBaseModel):
+    """What every completion choice has, whole or streamed."""
+
     index: int
-    text: str
     logprobs: None = None
     finish_reason: str | None = None
+
+
+class ResponseBase(OpenAIBaseModel):
+    """What every completion response has, whole or a streamed chunk."""
+
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: UsageInfo | None = None
+
+
+class CompletionResponseChoice(ChoiceBase):
+    text: str
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
-    id: str
+class CompletionResponse(ResponseBase):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
 
 
 class ChatResponseMessage(OpenAIBaseModel):
@@ -136,35 +146,21 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: str | None = None
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
+class ChatCompletionResponseChoice(ChoiceBase):
     message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo | None = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+class ChatCompletionResponseStreamChoice(ChoiceBase):
     """A streamed chunk's choice: the new piece of the message (`delta`), not the whole of it."""
 
-    index: int
     delta: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionStreamResponse(ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
