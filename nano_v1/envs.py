@@ -25,3 +25,8 @@ def worker_multiproc_method() -> str | None:
             f"VLLM_WORKER_MULTIPROC_METHOD must be 'fork', 'forkserver' or 'spawn', got {method!r}."
         )
     return method
+
+
+def attention_backend() -> str | None:
+    """VLLM_ATTENTION_BACKEND: the attention backend when `attention_backend` is not given (chapter 06)."""
+    return os.environ.get("VLLM_ATTENTION_BACKEND") or None

@@ -38,6 +38,20 @@ class DraftTokenIds:
     draft_token_ids: list[list[int]]  # per request; [] for none
 
 
+@dataclass(slots=True)
+class StepTiming:
+    """One `execute_model` call, as recorded between `start_step_timing` and `stop_step_timing`.
+
+    The one hook benchmarks time steps with (reached through `LLM.collective_rpc`), so that no
+    benchmark needs to wrap the runner's methods.
+    """
+
+    num_scheduled_tokens: int
+    num_sampled_reqs: int  # requests that gained at least one token this step
+    execute_model_s: float  # the whole call; it ends with the step's device -> host sync
+    forward_s: float  # the model's forward call as seen by the host: launches, or graph replays
+
+
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 

@@ -214,7 +214,7 @@ def measure(batch_size: int) -> dict:
         engine.add_request(
             request_id, {"prompt_token_ids": rng.integers(0, shape.vocab_size, CONTEXT).tolist()}, params
         )
-    budget = engine.engine_config.scheduler_config.max_num_batched_tokens
+    budget = engine.vllm_config.scheduler_config.max_num_batched_tokens
     for _ in range(-(-batch_size * CONTEXT // budget) + 2):  # prefill, then every request is decoding
         engine.step()
     per_stage = {s: [] for s in STAGES}

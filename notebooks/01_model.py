@@ -41,8 +41,8 @@ from nano_v1.benchmarks.throughput import (
     run_nano_v1,
 )
 from nano_v1.benchmarks.utils import sample_random_requests, write_tiny_qwen3
-from nano_v1.config import EngineArgs
 from nano_v1.demo_model import DEMO_MODEL_PATH
+from nano_v1.engine.arg_utils import EngineArgs
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()  # one torch thread on a CPU: steadier timings on a shared machine

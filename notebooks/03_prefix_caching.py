@@ -124,7 +124,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]]) -> tuple[float, list]:
 
 
 rng = np.random.default_rng(0)
-vocab = engines["on"].llm_engine.engine_config.model_config.get_vocab_size()
+vocab = engines["on"].llm_engine.vllm_config.model_config.get_vocab_size()
 for llm in engines.values():  # warm-up, at full size: a fresh engine's first big steps are slower
     timed_generate(llm, [rng.integers(0, vocab, PROMPT_LEN).tolist() for _ in range(NUM_REQUESTS)])
 rows = []
@@ -203,7 +203,7 @@ demo = {
     for c in ("on", "off")
 }
 tokenizer = demo["on"].get_tokenizer()
-max_len = demo["on"].llm_engine.engine_config.model_config.max_model_len
+max_len = demo["on"].llm_engine.vllm_config.model_config.max_model_len
 source_ids = tokenizer.encode(inspect.getsource(json.decoder))
 shared_len = min(len(source_ids), max_len - 96)  # room for the signature and the completion
 code_ids = [source_ids[:shared_len] + tokenizer.encode(f"\n\ndef {n}(") for n in names[: nb.pick(8, 8, 2)]]

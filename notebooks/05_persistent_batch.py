@@ -32,8 +32,8 @@ import torch
 
 from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
-from nano_v1.config import EngineArgs
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.sample.sampler import SamplerOutput
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
@@ -46,7 +46,7 @@ CONTEXT = nb.pick(cpu=2000, gpu=2000, smoke=64)  # tokens per request when the m
 STEPS = nb.pick(cpu=50, gpu=50, smoke=3)
 
 # Qwen3-0.6B's shape, from the config the GPU suite ships; input preparation reads only the config.
-engine_config = EngineArgs(
+vllm_config = EngineArgs(
     model=str(CONFIGS_DIR / "qwen3-0.6b"),
     device=nb.DEVICE,
     dtype="float32",
@@ -161,7 +161,7 @@ def naive_rebuild(reqs: dict, max_blocks: int, device: torch.device):
 # %%
 def measure(batch_size: int) -> dict:
     device = torch.device(nb.DEVICE)
-    runner = GPUModelRunner(engine_config, device)
+    runner = GPUModelRunner(vllm_config, device)
     rng = np.random.default_rng(0)
     diff_us, rebuild_us = [], []
     sync = torch.cuda.synchronize if nb.ON_GPU else (lambda: None)

@@ -151,24 +151,25 @@ for kind, query_len in (("decode", 1), ("16-token chunks", 16)):
 # One decode step on the shared-prefix layout, against float64 attention over each
 # request's context gathered through the block table
 # (`benchmarks/cascade.py::check_against_float64`): the PyTorch reference, plain and
-# cascaded, and the Triton kernels (on a CPU, in Triton's interpreter, at a small shape).
+# cascaded (TORCH_REFERENCE), and the Triton kernels of FLASH_ATTN (on a CPU, in Triton's
+# interpreter, at a small shape).
 
 # %%
 check_point = nb.pick(cpu=(256, 8, 32), gpu=(4096, 32, 128), smoke=(64, 8, 16))
-errors = bench.check_against_float64(*check_point, QWEN3, ["torch"], torch.device(nb.DEVICE))
+errors = bench.check_against_float64(*check_point, QWEN3, ["TORCH_REFERENCE"], torch.device(nb.DEVICE))
 if importlib.util.find_spec("nano_v1.attention.ops.triton_unified_attention") is not None:
     # The interpreter runs each program in numpy: on a CPU, 4 query heads on 2 KV heads of 32.
     triton_point = nb.pick(cpu=(64, 8, 16), gpu=check_point, smoke=(32, 4, 16))
     triton_shape = QWEN3 if nb.ON_GPU else bench.AttentionShape(4, 2, 32)
     triton_dtype = torch.bfloat16 if nb.ON_GPU else torch.float32
     errors |= bench.check_against_float64(
-        *triton_point, triton_shape, ["triton"], torch.device(nb.DEVICE), triton_dtype
+        *triton_point, triton_shape, ["FLASH_ATTN"], torch.device(nb.DEVICE), triton_dtype
     )
 else:
     print("the Triton kernels (chapter 06) are not in this checkout; checking the reference only")
 for name, err in errors.items():
     print(f"{name:<16} max |error| vs float64: {err:.2e}")
-assert all(err < (3e-2 if "triton" in name and nb.ON_GPU else 1e-4) for name, err in errors.items()), errors
+assert all(err < (3e-2 if "FLASH_ATTN" in name and nb.ON_GPU else 1e-4) for name, err in errors.items()), errors
 
 # %% [markdown]
 # ## Measure

@@ -148,7 +148,7 @@ print(
 # %%
 ladder = CompilationConfig(level=3, cudagraph_mode="PIECEWISE")
 ladder.resolve(
-    "cuda", enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=8192, attention_backend="torch"
+    "cuda", enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=8192
 )
 sizes = ladder.cudagraph_capture_sizes
 n = np.arange(1, ladder.max_capture_size + 1)

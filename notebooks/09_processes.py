@@ -34,7 +34,7 @@ import numpy as np
 
 from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks import processes, serve
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 threads = nb.set_threads()  # the engine-core process gets the same number of torch threads

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.entrypoints.openai.api_server import BackgroundServer
 
 pytestmark = pytest.mark.ch09

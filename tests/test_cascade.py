@@ -18,14 +18,12 @@ from test_llm import MAX_NEW, hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.attention.backends import flash_attn
-from nano_v1.attention.backends.flash_attn import (
-    FlashAttentionImpl,
-    FlashAttentionMetadataBuilder,
-    get_attention_ops,
-    use_cascade_attention,
-)
+from nano_v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder, use_cascade_attention
+from nano_v1.attention.backends.torch_reference import TorchReferenceImpl, TorchReferenceMetadataBuilder
+from nano_v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
-from nano_v1.config import EngineArgs
+from nano_v1.attention.selector import get_attn_backend
+from nano_v1.engine.arg_utils import EngineArgs
 
 pytestmark = pytest.mark.ch07
 
@@ -198,8 +196,8 @@ def test_cascade_equals_plain_and_float64(prefix_blocks, group):
         block_table_tensor=block_table,
         slot_mapping=slot_mapping,
     )
-    builder = FlashAttentionMetadataBuilder(torch.device("cpu"), "torch")
-    impl = FlashAttentionImpl(num_heads, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS)
+    builder = TorchReferenceMetadataBuilder(torch.device("cpu"))
+    impl = TorchReferenceImpl(num_heads, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS)
     q = torch.randn(num_tokens, num_heads, HEAD_SIZE)
 
     cascade_metadata = builder.build(prefix_len, common)
@@ -291,7 +289,7 @@ def shared_prefix_reference(tiny_qwen3):
 def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatch):
     path, prompts, expected = shared_prefix_reference
     calls = _count_cascades(monkeypatch)
-    assert _greedy_with_cascade(path, prompts, MAX_NEW, attention_backend="torch") == expected
+    assert _greedy_with_cascade(path, prompts, MAX_NEW, attention_backend="TORCH_REFERENCE") == expected
     assert calls and set(calls) <= {16, 32, 48, 64} and 64 in calls
 
 
@@ -302,7 +300,7 @@ def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, mon
     path, prompts, expected = shared_prefix_reference
     calls = _count_cascades(monkeypatch)
     # The interpreter is slow: the first three prompts, a few tokens each.
-    got = _greedy_with_cascade(path, prompts[:3], 4, attention_backend="triton")
+    got = _greedy_with_cascade(path, prompts[:3], 4, attention_backend="FLASH_ATTN")
     assert got == [e[:4] for e in expected[:3]]
     assert calls
 
@@ -326,6 +324,18 @@ def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
     assert calls and set(calls) == {256}
 
 
+def test_triton_attn_never_cascades():
+    """vLLM v0.11.0's TRITON_ATTN has no cascade path: its builder says no where FLASH_ATTN's says yes."""
+    cascading_step = dict(
+        common_prefix_len=1024, query_lens=np.ones(64, dtype=np.int32), num_query_heads=16, num_kv_heads=16,
+        use_alibi=False, use_sliding_window=False, use_local_attention=False, num_sms=132,
+    )
+    device = torch.device("cpu")
+    assert FlashAttentionMetadataBuilder(device).use_cascade_attention(**cascading_step)
+    assert TorchReferenceMetadataBuilder(device).use_cascade_attention(**cascading_step)
+    assert not TritonAttentionMetadataBuilder(device).use_cascade_attention(**cascading_step)
+
+
 def test_disable_cascade_attn_never_cascades(tiny_qwen3, monkeypatch):
     calls = _count_cascades(monkeypatch)
     _greedy_with_cascade(tiny_qwen3, make_prompts(5, shared_prefix=70), 4, disable_cascade_attn=True)
@@ -347,18 +357,30 @@ def test_bytes_model():
 
 
 # ---------------------------------------------------------------- configuration
-def test_attention_backend_config(tiny_qwen3):
+def test_attention_backend_config(tiny_qwen3, monkeypatch):
     def resolved(**kwargs):
         return EngineArgs(model=tiny_qwen3, device="cpu", **kwargs).create_engine_config().model_config
 
-    assert resolved().attention_backend == "torch"  # the default on a CPU
-    assert resolved(attention_backend="triton").attention_backend == "triton"
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    assert resolved().attention_backend == "TORCH_REFERENCE"  # the default on a CPU
+    for name in ("FLASH_ATTN", "TRITON_ATTN", "TORCH_REFERENCE"):
+        assert resolved(attention_backend=name).attention_backend == name
+        assert get_attn_backend(name).get_name() == name
     assert resolved().disable_cascade_attn is False
     assert resolved(disable_cascade_attn=True).disable_cascade_attn is True
+    for bad in ("flashinfer", "torch", "triton"):  # vLLM's names only
+        with pytest.raises(ValueError, match="attention_backend"):
+            resolved(attention_backend=bad)
     with pytest.raises(ValueError, match="attention_backend"):
-        resolved(attention_backend="flashinfer")
-    with pytest.raises(ValueError, match="attention_backend"):
-        get_attention_ops("flashinfer")
+        get_attn_backend("FLASHINFER")
+    # As in vLLM v0.11.0, $VLLM_ATTENTION_BACKEND picks the backend when the argument does not.
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TRITON_ATTN")
+    assert resolved().attention_backend == "TRITON_ATTN"
+    assert resolved(attention_backend="FLASH_ATTN").attention_backend == "FLASH_ATTN"
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "XFORMERS")
+    with pytest.raises(ValueError, match="VLLM_ATTENTION_BACKEND"):
+        resolved()
     if torch.cuda.is_available():
+        monkeypatch.delenv("VLLM_ATTENTION_BACKEND")
         cuda = EngineArgs(model=tiny_qwen3, device="cuda").create_engine_config().model_config
-        assert cuda.attention_backend == "triton"
+        assert cuda.attention_backend == "FLASH_ATTN"

@@ -21,7 +21,8 @@ from test_llm import hf_greedy, make_prompts
 from nano_v1 import LLM, SamplingParams
 from nano_v1.compilation.counter import compilation_counter
 from nano_v1.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper, GraphPool
-from nano_v1.config import CompilationConfig, CompilationLevel, CUDAGraphMode, EngineArgs
+from nano_v1.config import CompilationConfig, CompilationLevel, CUDAGraphMode
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.llm_engine import LLMEngine
 from nano_v1.forward_context import set_forward_context
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
@@ -111,7 +112,7 @@ def test_greedy_parity_with_compilation(compiled_llm, prompts_and_expected):
 def test_capture_size_ladder_and_padding():
     config = CompilationConfig(level=3, cudagraph_mode="PIECEWISE")
     config.resolve(
-        "cuda", enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=8192, attention_backend="torch"
+        "cuda", enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=8192
     )
     assert config.cudagraph_capture_sizes == [1, 2, 4] + list(range(8, 513, 8))
     assert config.max_capture_size == 512
@@ -120,7 +121,7 @@ def test_capture_size_ladder_and_padding():
     # Sizes above the token budget are never reached; user sizes are sorted and deduplicated.
     small = CompilationConfig(level=3, cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=[16, 4, 4, 64])
     small.resolve(
-        "cuda", enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=32, attention_backend="torch"
+        "cuda", enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=32
     )
     assert small.cudagraph_capture_sizes == [4, 16] and small.max_capture_size == 16
 
@@ -132,19 +133,13 @@ def test_capture_size_ladder_and_padding():
         ("cpu", {}, CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE),
         ("cpu", {"level": 3}, CompilationLevel.PIECEWISE, CUDAGraphMode.NONE),
         ("cuda", {"mode": 0}, CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE),
-        # FULL graphs need the Triton kernel; with the reference they fall back to PIECEWISE.
-        (
-            "cuda",
-            {"cudagraph_mode": "FULL_AND_PIECEWISE"},
-            CompilationLevel.PIECEWISE,
-            CUDAGraphMode.PIECEWISE,
-        ),
+        ("cuda", {"cudagraph_mode": "FULL_AND_PIECEWISE"}, CompilationLevel.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE),
     ],
 )
 def test_defaults_per_device(device, kwargs, level, mode):
     config = CompilationConfig.from_arg(kwargs)
     config.resolve(
-        device, enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64, attention_backend="torch"
+        device, enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64
     )
     assert (config.level, config.cudagraph_mode) == (level, mode)
     assert bool(config.cudagraph_capture_sizes) == (mode != CUDAGraphMode.NONE)
@@ -153,12 +148,12 @@ def test_defaults_per_device(device, kwargs, level, mode):
 def test_full_graphs_with_triton_and_enforce_eager():
     full = CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")
     full.resolve(
-        "cuda", enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64, attention_backend="triton"
+        "cuda", enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64
     )
     assert full.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
     eager = CompilationConfig.from_arg(3)
     eager.resolve(
-        "cuda", enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=64, attention_backend="triton"
+        "cuda", enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=64
     )
     assert (eager.level, eager.cudagraph_mode, eager.cudagraph_capture_sizes) == (0, CUDAGraphMode.NONE, [])
 
@@ -180,17 +175,17 @@ def test_bad_compilation_config_is_a_clear_error(device, value):
     with pytest.raises(ValueError, match="compilation|cudagraph|level"):
         config = CompilationConfig.from_arg(value)
         config.resolve(
-            device, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="torch"
+            device, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=64
         )
 
 
 @pytest.mark.parametrize("value", [CompilationConfig(level=3), {"mode": 3}, 3, "3", '{"level": 3}'])
 def test_engine_args_accept_a_compilation_config(tiny_qwen3, value):
-    engine_config = EngineArgs(
+    vllm_config = EngineArgs(
         model=tiny_qwen3, device="cpu", compilation_config=value
     ).create_engine_config()
-    assert engine_config.compilation_config.level == 3
-    assert engine_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert vllm_config.compilation_config.level == 3
+    assert vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     if isinstance(value, CompilationConfig):
         assert value.cudagraph_mode is None  # the argument is copied, not resolved in place
 
@@ -216,20 +211,23 @@ class FakeCUDAGraphWrapper(CUDAGraphWrapper):
             old.copy_(fresh)
 
 
-def engine_with_fake_graphs(path: str, mode: CUDAGraphMode, sizes: list[int], monkeypatch) -> LLMEngine:
+def engine_with_fake_graphs(
+    path: str, mode: CUDAGraphMode, sizes: list[int], monkeypatch, attention_backend: str = "TORCH_REFERENCE"
+) -> LLMEngine:
     """A CPU engine that runs the runner's padding, capture and dispatch with fake graphs."""
-    engine_config = EngineArgs(
-        model=path, dtype="float32", device="cpu", max_num_seqs=8, compilation_config={"level": 3}
+    vllm_config = EngineArgs(
+        model=path, dtype="float32", device="cpu", max_num_seqs=8, compilation_config={"level": 3},
+        attention_backend=attention_backend,
     ).create_engine_config()
-    engine_config.compilation_config = dataclasses.replace(
-        engine_config.compilation_config, cudagraph_mode=mode, cudagraph_capture_sizes=sizes
+    vllm_config.compilation_config = dataclasses.replace(
+        vllm_config.compilation_config, cudagraph_mode=mode, cudagraph_capture_sizes=sizes
     )
-    engine_config.compilation_config.max_capture_size = max(sizes)
+    vllm_config.compilation_config.max_capture_size = max(sizes)
     monkeypatch.setattr(GPUModelRunner, "cudagraph_wrapper_cls", FakeCUDAGraphWrapper)
     monkeypatch.setattr(GraphPool, "create", classmethod(lambda cls, device: None))
     monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
     seen = compilation_counter.num_graphs_seen
-    engine = LLMEngine(engine_config)
+    engine = LLMEngine(vllm_config)
     # Its own trace and backend: nothing reused from another engine's compiled model.
     assert compilation_counter.num_graphs_seen == seen + 1
     return engine
@@ -279,7 +277,10 @@ def test_piecewise_capture_at_start_up_then_replay_padded_sizes(
 def test_full_decode_graph_with_padding(tiny_qwen3, prompts_and_expected, monkeypatch):
     """FULL_AND_PIECEWISE: pure decode steps replay the whole-model graph over padded metadata."""
     prompts, expected = prompts_and_expected
-    engine = engine_with_fake_graphs(tiny_qwen3, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], monkeypatch)
+    # A FULL graph holds attention too: the Triton kernel (interpreted here), which plans on the device.
+    engine = engine_with_fake_graphs(
+        tiny_qwen3, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], monkeypatch, attention_backend="TRITON_ATTN"
+    )
     events = FakeCUDAGraphWrapper.events
     assert [e for e in events if e[1] == "FULL"] == [("capture", "FULL", n) for n in (8, 4, 2, 1)]
     events.clear()
@@ -289,6 +290,15 @@ def test_full_decode_graph_with_padding(tiny_qwen3, prompts_and_expected, monkey
     assert all(kind == "replay" for kind, _, _ in events)
     # 6 decodes padded to 8, down to 1: the padding requests wrote only the null block.
     assert full[0] == 8 and full[-1] == 1 and len(full) >= MAX_NEW - len(prompts)
+
+
+def test_full_graphs_fall_back_to_piecewise_with_the_reference_backend(tiny_qwen3, monkeypatch, caplog):
+    """The reference plans each step on the host, which no graph can hold (AttentionCGSupport.NEVER)."""
+    with caplog.at_level("WARNING"):
+        engine = engine_with_fake_graphs(tiny_qwen3, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4], monkeypatch)
+    assert engine.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert "TORCH_REFERENCE" in caplog.text
+    assert {mode for _, mode, _ in FakeCUDAGraphWrapper.events} == {"PIECEWISE"}
 
 
 # ------------------------------------------------------------------ real graphs (CUDA)
@@ -317,15 +327,10 @@ def test_cuda_graphs_equal_eager_across_batch_changes(tiny_qwen3):
     )
     assert compilation_counter.num_cudagraph_captured == captured + len(sizes) * 3
     assert graphs == eager
-    if "attention_backend" in {f.name for f in dataclasses.fields(EngineArgs)}:
-        # FULL graphs need the Triton kernel: compare both against eager on that kernel.
-        eager = greedy(enforce_eager=True, attention_backend="triton")
-        full = greedy(
-            attention_backend="triton",
-            compilation_config={
-                "level": 3,
-                "cudagraph_mode": "FULL_AND_PIECEWISE",
-                "cudagraph_capture_sizes": sizes,
-            },
-        )
-        assert full == eager
+    # FULL graphs need the Triton kernel: compare both against eager on that kernel.
+    eager = greedy(enforce_eager=True, attention_backend="TRITON_ATTN")
+    full = greedy(
+        attention_backend="TRITON_ATTN",
+        compilation_config={"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": sizes},
+    )
+    assert full == eager

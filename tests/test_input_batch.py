@@ -18,8 +18,9 @@ import transformers
 from conftest import TINY_SHAPES
 from torch import nn
 
-from nano_v1.config import EngineArgs, EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.outputs import ModelRunnerOutput
 from nano_v1.sample.sampler import SamplerOutput
 from nano_v1.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ NUM_BLOCKS = 4096  # block ids are drawn at random from 1 .. NUM_BLOCKS - 1
 
 
 @pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
+def vllm_config(tmp_path_factory) -> VllmConfig:
     # Only config.json is needed: these tests never load weights.
     path = tmp_path_factory.mktemp("config_only")
     transformers.Qwen3Config(**TINY_SHAPES, head_dim=32, architectures=["Qwen3ForCausalLM"]).save_pretrained(
@@ -264,10 +265,10 @@ def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: 
 
 @pytest.mark.ch05_t2
 @pytest.mark.parametrize("seed", range(6))
-def test_prepare_inputs_matches_naive_rebuild(engine_config, seed):
+def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed):
     rng = random.Random(seed)
     sched = FakeScheduler(rng)
-    runner = GPUModelRunner(engine_config, torch.device("cpu"))
+    runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     steps_with_preemption_resume = 0
     for _ in range(150):
         so = sched.schedule()
@@ -318,7 +319,7 @@ def cpu_input_batch(max_num_reqs: int, max_model_len: int) -> InputBatch:
     )
 
 
-def test_condense_and_swap_keep_rows_consistent():
+def test_condense_keeps_rows_and_logits_processors_consistent():
     rng = random.Random(0)
     batch = cpu_input_batch(max_num_reqs=16, max_model_len=64)
     states: dict[str, CachedRequestState] = {}
@@ -336,6 +337,13 @@ def test_condense_and_swap_keep_rows_consistent():
             assert batch.block_table.num_blocks_per_row[i] == len(s.block_ids)
             assert batch.temperature.np[i] == pytest.approx(s.sampling_params.temperature)
             assert batch.generators.get(i) is s.generator
+        # The min-tokens processor, told only the batch's changes, knows exactly the rows still
+        # short of their minimum, at their current rows.
+        batch.update_logitsprocs()
+        (min_tokens,) = batch.logitsprocs
+        short = {i: s.sampling_params.min_tokens for i, s in enumerate(states[r] for r in batch.req_ids)
+                 if len(s.output_token_ids) < s.sampling_params.min_tokens}
+        assert {row: entry[0] for row, entry in min_tokens.min_toks.items()} == short
 
     for step in range(300):
         removed = []
@@ -351,7 +359,9 @@ def test_condense_and_swap_keep_rows_consistent():
             s = CachedRequestState(
                 req_id=f"q{step}_{len(states)}",
                 prompt_token_ids=[rng.randrange(VOCAB) for _ in range(n_prompt)],
-                sampling_params=SamplingParams(temperature=temperature),
+                sampling_params=SamplingParams(
+                    temperature=temperature, min_tokens=rng.choice([0, 0, 5, 12]), stop_token_ids=[2]
+                ),
                 generator=torch.Generator() if temperature and rng.random() < 0.5 else None,
                 block_ids=rng.sample(range(1000), -(-(n_prompt + n_out) // BLOCK_SIZE)),
                 num_computed_tokens=rng.randint(0, n_prompt),
@@ -361,10 +371,11 @@ def test_condense_and_swap_keep_rows_consistent():
             batch.add_request(s, removed.pop() if removed else None)
         batch.condense(removed)
         check()
-        if batch.num_reqs >= 2:
-            i1, i2 = rng.sample(range(batch.num_reqs), 2)
-            batch.swap_states(i1, i2)
-            check()
+        for i, req_id in enumerate(batch.req_ids):  # requests sample, as the runner keeps them; some pass min_tokens
+            k = min(rng.randint(0, 2), batch.token_ids_cpu.shape[1] - int(batch.num_tokens[i]))
+            states[req_id].output_token_ids.extend([7] * k)
+            batch.token_ids_cpu[i, batch.num_tokens[i] : batch.num_tokens[i] + k] = 7
+            batch.num_tokens[i] += k
 
 
 def test_condense_moves_last_rows_into_holes():
@@ -395,8 +406,8 @@ class FakeModel(nn.Module):
         return hidden_states @ self.head  # [n, VOCAB]
 
 
-def fake_runner(engine_config: EngineConfig) -> GPUModelRunner:
-    runner = GPUModelRunner(engine_config, torch.device("cpu"))
+def fake_runner(vllm_config: VllmConfig) -> GPUModelRunner:
+    runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     runner.model = FakeModel()
     return runner
 
@@ -408,14 +419,14 @@ def run_until_done(runner: GPUModelRunner, sched: FakeScheduler) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_seeded_request_independent_of_chunking_preemption_and_batch(engine_config, seed):
+def test_seeded_request_independent_of_chunking_preemption_and_batch(vllm_config, seed):
     prompt = list(range(3, 33))
     params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=20)
     alone = FakeScheduler(
         random.Random(seed), spawn=False, p_preempt=0, p_skip=0, chunk=False, prefix_hits=False
     )
     rid_alone = alone.add(prompt, params, protected=True)
-    run_until_done(fake_runner(engine_config), alone)
+    run_until_done(fake_runner(vllm_config), alone)
     reference = alone.finished[rid_alone].outputs
     assert len(reference) == 20
 
@@ -423,7 +434,7 @@ def test_seeded_request_independent_of_chunking_preemption_and_batch(engine_conf
     for _ in range(5):
         soup.add([7] * 10, SamplingParams(temperature=1.0, max_tokens=15))
     rid = soup.add(prompt, params, protected=True)
-    run_until_done(fake_runner(engine_config), soup)
+    run_until_done(fake_runner(vllm_config), soup)
     assert soup.finished[rid].outputs == reference and soup.num_preemptions > 0
 
     # A different seed really changes the sample (the test above could not pass by accident).
@@ -431,13 +442,13 @@ def test_seeded_request_independent_of_chunking_preemption_and_batch(engine_conf
         random.Random(seed), spawn=False, p_preempt=0, p_skip=0, chunk=False, prefix_hits=False
     )
     rid_other = other.add(prompt, SamplingParams(temperature=1.0, top_k=50, seed=99, max_tokens=20), True)
-    run_until_done(fake_runner(engine_config), other)
+    run_until_done(fake_runner(vllm_config), other)
     assert other.finished[rid_other].outputs != reference
 
 
 @pytest.mark.ch05_t2
-def test_execute_model_greedy_and_logprobs(engine_config):
-    runner = fake_runner(engine_config)
+def test_execute_model_greedy_and_logprobs(vllm_config):
+    runner = fake_runner(vllm_config)
     model = runner.model
     sched = FakeScheduler(random.Random(5), spawn=False)
     rid = sched.add([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, logprobs=2, max_tokens=6))
@@ -466,7 +477,7 @@ def test_execute_model_greedy_and_logprobs(engine_config):
 
 def test_runner_with_real_model_matches_transformers_greedy(tiny_qwen3):
     """Real attention over the paged cache, random block ids, chunking, preemption, skipped steps."""
-    engine_config = EngineArgs(
+    vllm_config = EngineArgs(
         model=tiny_qwen3,
         device="cpu",
         dtype="float32",
@@ -475,7 +486,7 @@ def test_runner_with_real_model_matches_transformers_greedy(tiny_qwen3):
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=BUDGET,
     ).create_engine_config()
-    runner = GPUModelRunner(engine_config, torch.device("cpu"))
+    runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(NUM_BLOCKS)
     rng = random.Random(0)

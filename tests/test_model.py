@@ -17,14 +17,19 @@ from conftest import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from nano_v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.layer import Attention
-from nano_v1.config import ModelConfig
+from nano_v1.config import DeviceConfig, ModelConfig, VllmConfig
 from nano_v1.forward_context import set_forward_context
 from nano_v1.model_executor.model_loader import get_model
 
 pytestmark = pytest.mark.ch01
+
+
+def load_model(model: str, **model_config):
+    """The model of a checkpoint, built and loaded as the engine does (get_model), on the CPU."""
+    config = VllmConfig(ModelConfig(model, **model_config), device_config=DeviceConfig("cpu"))
+    return get_model(config, torch.device("cpu"))
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -78,14 +83,12 @@ class PagedRunner:
         ids = rng.permutation(NUM_BLOCKS)[: num_reqs * max_blocks].reshape(num_reqs, max_blocks)
         self.block_table = torch.tensor(ids, dtype=torch.int32)
         dtype = next(model.parameters()).dtype
-        for layer in model.modules():
-            if isinstance(layer, Attention):
-                shape = FlashAttentionBackend.get_kv_cache_shape(
-                    NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_size
-                )
-                # Unwritten slots are NaN: reading any of them would poison the logits.
-                layer.kv_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.builder = FlashAttentionMetadataBuilder(torch.device("cpu"))
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for layer in layers:
+            shape = layer.attn_backend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_size)
+            # Unwritten slots are NaN: reading any of them would poison the logits.
+            layer.kv_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.builder = layers[0].attn_backend.get_builder_cls()(torch.device("cpu"))
 
     def step(self, reqs: list[int], new_tokens: list[list[int]], num_computed: list[int]) -> torch.Tensor:
         """Run one step; request reqs[i] adds new_tokens[i] after num_computed[i] tokens."""
@@ -121,7 +124,7 @@ class PagedRunner:
 
 
 def test_prefill_and_paged_decode_match_transformers(checkpoint):
-    model = get_model(ModelConfig(checkpoint, dtype="float32"), torch.device("cpu"))
+    model = load_model(checkpoint, dtype="float32")
     hf = _hf_model(checkpoint)
     rng = np.random.default_rng(0)
     prompt_lens = [7, 19, 40, 1]
@@ -168,7 +171,7 @@ def test_prefill_and_paged_decode_match_transformers(checkpoint):
 
 def test_without_metadata_the_batch_is_one_causal_sequence(tiny_qwen3):
     """The profiling path (no KV cache) attends within the batch as one sequence."""
-    model = get_model(ModelConfig(tiny_qwen3), torch.device("cpu"))
+    model = load_model(tiny_qwen3)
     tokens = list(range(3, 30))
     with torch.no_grad(), set_forward_context(None):
         logits = model.compute_logits(model(torch.tensor(tokens), torch.arange(len(tokens))))
@@ -182,7 +185,7 @@ def _prefill_logits(model, tokens: list[int]) -> torch.Tensor:
 def test_tied_embeddings(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "tied", "qwen3", tie_word_embeddings=True)
     assert not any(k.startswith("lm_head") for k in load_file(f"{path}/model.safetensors"))
-    model = get_model(ModelConfig(path), torch.device("cpu"))
+    model = load_model(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     tokens = list(range(5, 40))
     torch.testing.assert_close(
@@ -208,7 +211,7 @@ def test_tied_embeddings(tmp_path):
 )
 def test_llama_rope_scaling_matches_transformers(tmp_path, rope_scaling):
     path = make_tiny_checkpoint(tmp_path / "llama", "llama", rope_scaling=rope_scaling, rope_theta=500000.0)
-    model = get_model(ModelConfig(path), torch.device("cpu"))
+    model = load_model(path)
     tokens = np.random.default_rng(1).integers(3, 512, 120).tolist()  # long enough for scaling to matter
     torch.testing.assert_close(
         _prefill_logits(model, tokens), _hf_logits(_hf_model(path), tokens), atol=ATOL, rtol=0
@@ -222,13 +225,13 @@ def test_unsupported_rope_type_is_a_clear_error(tmp_path):
     cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
     (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
-        get_model(ModelConfig(path), torch.device("cpu"))
+        load_model(path)
 
 
 def test_dummy_load_format_reads_no_checkpoint(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "q", "qwen3")
     (tmp_path / "q" / "model.safetensors").unlink()  # nothing to read: dummy must not try
-    model = get_model(ModelConfig(path, load_format="dummy", dtype="bfloat16"), torch.device("cpu"))
+    model = load_model(path, load_format="dummy", dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(0 < p.abs().max() <= 1e-3 for p in model.parameters())
     logits = _prefill_logits(model, list(range(3, 20)))
@@ -263,7 +266,7 @@ def _broken_copy(tmp_path: Path, good: Path, tensors: dict[str, torch.Tensor] | 
 def test_no_safetensors_files(tmp_path, qwen3_tensors):
     path = _broken_copy(tmp_path, qwen3_tensors[0])
     with pytest.raises(ValueError, match=r"no \*\.safetensors files in .*" + tmp_path.name):
-        get_model(ModelConfig(str(path)), torch.device("cpu"))
+        load_model(str(path))
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
@@ -274,7 +277,7 @@ def test_corrupt_safetensors_file(tmp_path, qwen3_tensors, damage):
     data = file.read_bytes()
     file.write_bytes(b"\x13\x37not a safetensors file" * 3 if damage == "garbage" else data[: len(data) // 2])
     with pytest.raises(ValueError, match="cannot read safetensors file .*model.safetensors"):
-        get_model(ModelConfig(str(path)), torch.device("cpu"))
+        load_model(str(path))
 
 
 def test_missing_weight(tmp_path, qwen3_tensors):
@@ -282,7 +285,7 @@ def test_missing_weight(tmp_path, qwen3_tensors):
     tensors = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.down_proj.weight"}
     path = _broken_copy(tmp_path, good, tensors)
     with pytest.raises(ValueError, match=r"lacks 1 weight.*model\.layers\.1\.mlp\.down_proj\.weight"):
-        get_model(ModelConfig(str(path)), torch.device("cpu"))
+        load_model(str(path))
 
 
 def test_shape_mismatch_names_parameter_and_shapes(tmp_path, qwen3_tensors):
@@ -291,7 +294,7 @@ def test_shape_mismatch_names_parameter_and_shapes(tmp_path, qwen3_tensors):
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 64)  # the k shard is [64, 64]
     path = _broken_copy(tmp_path, good, tensors)
     with pytest.raises(ValueError) as e:
-        get_model(ModelConfig(str(path)), torch.device("cpu"))
+        load_model(str(path))
     message = str(e.value)
     assert "model.layers.0.self_attn.qkv_proj.weight" in message
     assert "(32, 64)" in message and "(64, 64)" in message
@@ -301,4 +304,4 @@ def test_unexpected_tensor(tmp_path, qwen3_tensors):
     good, tensors = qwen3_tensors
     path = _broken_copy(tmp_path, good, {**tensors, "model.layers.0.extra.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match="'model.layers.0.extra.weight' matches no parameter"):
-        get_model(ModelConfig(str(path)), torch.device("cpu"))
+        load_model(str(path))

@@ -25,7 +25,7 @@ from nano_v1.benchmarks.roofline import (
     step_cost,
     workload_cost,
 )
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -61,7 +61,7 @@ def test_shipped_configs_have_the_published_shapes():
 def test_weight_counts_match_the_parameters_of_nano_v1_models(tiny_engine_config):
     model_config = tiny_engine_config.model_config
     shape = ModelShape.from_config(model_config)
-    model = get_model(model_config, torch.device("cpu"))
+    model = get_model(tiny_engine_config, torch.device("cpu"))
     params = list(model.parameters())  # a tied head appears once
     assert sum(p.numel() for p in params) == shape.num_params
     linear_types = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)

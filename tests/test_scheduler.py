@@ -12,12 +12,13 @@ drafts (right or wrong) and verifies them exactly, as speculative decoding does 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_v1.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
@@ -132,17 +133,18 @@ class FakeModelRunner:
 def make_scheduler(
     num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs", num_spec_tokens=0
 ):
-    config = EngineConfig.__new__(EngineConfig)
+    config = VllmConfig.__new__(VllmConfig)
     config.cache_config = CacheConfig(
         block_size=block_size, enable_prefix_caching=caching, num_gpu_blocks=num_blocks
     )
     config.scheduler_config = SchedulerConfig(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
-        max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         policy=policy,
     )
+    # The scheduler reads only max_model_len from the model's config: no checkpoint needed.
+    config.model_config = types.SimpleNamespace(max_model_len=max_model_len)
     config.device_config = DeviceConfig("cpu")
     if num_spec_tokens:
         config.speculative_config = SpeculativeConfig(num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1)

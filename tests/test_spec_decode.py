@@ -27,8 +27,8 @@ from nano_v1.benchmarks.spec_decode import (
     expected_tokens_per_step,
     verify_cost_sweep,
 )
-from nano_v1.config import EngineArgs
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.entrypoints import cli
 from nano_v1.metrics.reader import Counter, spec_decoding_stats_from_metrics
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput

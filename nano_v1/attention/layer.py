@@ -7,7 +7,8 @@ Hugging Face model. Everything that depends on the step — which cache slots to
 which blocks each request's context lives in — comes from the forward context that the
 model runner sets around the forward call, and the KV cache tensor is bound to the layer
 by the runner after it sizes the cache. So the model's `forward(input_ids, positions)`
-needs no extra arguments, and the backend can change without touching any model.
+needs no extra arguments, and the backend can change without touching any model: the
+layer asks the selector for the backend the config names, as vLLM's does.
 
 Chapter 08: to torch.compile, attention is one custom op, `unified_attention_with_output`
 (registered with torch.library), so that Dynamo records it as a single opaque node instead
@@ -23,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nano_v1.attention.backends.flash_attn import FlashAttentionBackend
+from nano_v1.attention.selector import get_attn_backend
+from nano_v1.config import get_current_vllm_config
 from nano_v1.forward_context import get_forward_context
 
 
@@ -53,7 +55,8 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.layer_name = prefix  # e.g. "model.layers.0.self_attn.attn": the runner binds caches by it
-        self.attn_backend = FlashAttentionBackend
+        # The backend the engine's config chose (the model is built under set_current_vllm_config).
+        self.attn_backend = get_attn_backend(get_current_vllm_config().model_config.attention_backend)
         self.impl = self.attn_backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         # [2, num_blocks, block_size, num_kv_heads, head_size], bound by the model runner.
         # A plain attribute, not a buffer: the cache is not part of the model's state dict.

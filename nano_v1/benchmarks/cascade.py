@@ -29,13 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nano_v1.attention.backends.flash_attn import (
-    FlashAttentionImpl,
-    FlashAttentionMetadataBuilder,
-    get_num_sms,
-    use_cascade_attention,
-)
+from nano_v1.attention.backends.flash_attn import get_num_sms, use_cascade_attention
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
+from nano_v1.attention.selector import get_attn_backend
 from nano_v1.benchmarks.roofline import H200_DATASHEET, DeviceCeilings, best_time
 from nano_v1.benchmarks.utils import write_json
 
@@ -212,10 +208,11 @@ def check_against_float64(
         2, num_reqs, shape.num_kv_heads, shape.head_size, generator=generator, device=device
     ).to(dtype)
     scale = shape.head_size**-0.5
-    impl = FlashAttentionImpl(shape.num_heads, shape.head_size, scale, shape.num_kv_heads)
     outputs: dict[str, torch.Tensor] = {}
     for attention_backend in attention_backends:
-        builder = FlashAttentionMetadataBuilder(device, attention_backend)
+        backend = get_attn_backend(attention_backend)
+        builder = backend.get_builder_cls()(device)
+        impl = backend.get_impl_cls()(shape.num_heads, shape.head_size, scale, shape.num_kv_heads)
         for path, common_prefix_len in (("plain", 0), ("cascade", prefix_len)):
             out = torch.empty_like(q)
             impl.forward(None, q, k, v, kv_cache, builder.build(common_prefix_len, common), out)
@@ -257,8 +254,9 @@ def measure_grid(
     kv_cache = torch.randn(
         2, num_blocks, bs, shape.num_kv_heads, shape.head_size, generator=generator, device=device
     ).to(dtype)
-    builder = FlashAttentionMetadataBuilder(device, attention_backend)
-    impl = FlashAttentionImpl(shape.num_heads, shape.head_size, shape.head_size**-0.5, shape.num_kv_heads)
+    backend = get_attn_backend(attention_backend)
+    builder = backend.get_builder_cls()(device)
+    impl = backend.get_impl_cls()(shape.num_heads, shape.head_size, shape.head_size**-0.5, shape.num_kv_heads)
     num_sms = get_num_sms(device)
 
     for prefix_len, num_reqs, suffix_len in points:
@@ -346,7 +344,7 @@ def run_grid(
     else:
         decode = [(p, b, 32) for p in (256, 1024) for b in (8, 32)]
         chunk = []
-    attention_backend = "triton" if on_gpu else "torch"
+    attention_backend = "FLASH_ATTN" if on_gpu else "TORCH_REFERENCE"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shape = QWEN3_0_6B_ATTENTION if on_gpu else AttentionShape(16, 8, 128, dtype_bytes=4)
     repeats = 3 if smoke or not on_gpu else 10

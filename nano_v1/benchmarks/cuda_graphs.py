@@ -32,7 +32,7 @@ import torch
 from nano_v1.benchmarks.gpu_suite import SuiteContext, max_warm_up_steps, time_decode_steps
 from nano_v1.benchmarks.throughput import time_llm_generate
 from nano_v1.benchmarks.utils import sample_random_requests
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Engine arguments of each mode. FULL_AND_PIECEWISE: a pure decode step is one full graph.
@@ -101,11 +101,11 @@ def measure_mode(
     """One engine (an `LLM`) in its mode: decode-step rows per batch size, launches, throughput."""
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.model_runner
-    vocab_size = engine.engine_config.model_config.get_vocab_size()
+    vocab_size = engine.vllm_config.model_config.get_vocab_size()
     rng = np.random.default_rng(0)
     result: dict[str, Any] = {
-        "cudagraph_mode": engine.engine_config.compilation_config.cudagraph_mode.name,
-        "compilation_level": engine.engine_config.compilation_config.level,
+        "cudagraph_mode": engine.vllm_config.compilation_config.cudagraph_mode.name,
+        "compilation_level": engine.vllm_config.compilation_config.level,
         "rows": [],
     }
     timer = runner.model = LaunchTimer(runner.model)
@@ -184,8 +184,8 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
         "max_num_seqs": max(batch_sizes),
         "enable_prefix_caching": False,
     }
-    if "attention_backend" in {f.name for f in dataclasses.fields(EngineArgs)}:
-        base["attention_backend"] = "triton"
+    # The Triton kernel in every mode (FULL graphs need it); TRITON_ATTN so no mode cascades.
+    base["attention_backend"] = "TRITON_ATTN"
     assert (
         context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2
         <= base["max_model_len"]

@@ -58,7 +58,7 @@ from nano_v1.benchmarks.roofline import (
 )
 from nano_v1.benchmarks.throughput import run_generate_batch, run_nano_v1
 from nano_v1.benchmarks.utils import BenchRequest, sample_random_requests, write_json, write_tiny_qwen3
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 
 # The measurements time the in-process engine core's worker, and the GPU image has no
 # pyzmq/msgspec for the engine-core process (chapter 09).
@@ -187,7 +187,7 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
         model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
     )))
     engine = llm.llm_engine
-    dtype_bytes = engine.engine_config.model_config.dtype.itemsize
+    dtype_bytes = engine.vllm_config.model_config.dtype.itemsize
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = ctx.partial.setdefault("rows", [])
     ceilings = ctx.ceilings()
@@ -219,7 +219,7 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
         "model": config_name if not ctx.smoke else "tiny Qwen3 (smoke)",
         "context_len": context_len,
         "num_timed_steps": num_steps,
-        "dtype": str(engine.engine_config.model_config.dtype).removeprefix("torch."),
+        "dtype": str(engine.vllm_config.model_config.dtype).removeprefix("torch."),
         "ceilings": ceilings.to_dict(),
         **ctx.partial,
     }

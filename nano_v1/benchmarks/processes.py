@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from nano_v1.benchmarks.utils import sample_random_requests, write_json
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 
 NAME = "processes"
 USES_ENGINE_ARGS = True
@@ -33,9 +33,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    from nano_v1.entrypoints.cli import engine_args_from
 
-    report = run(args.batch_sizes, args.input_len, args.output_len, engine_args_from(args))
+    report = run(args.batch_sizes, args.input_len, args.output_len, EngineArgs.from_cli_args(args))
     print_table(report)
     if args.output_json:
         write_json(args.output_json, report)
@@ -53,7 +52,7 @@ def run(batch_sizes: list[int], input_len: int, output_len: int, engine_args: En
     for multiprocess in (False, True):
         engine = LLMEngine.from_engine_args(engine_args, enable_multiprocessing=multiprocess)
         try:
-            vocab_size = engine.engine_config.model_config.get_vocab_size()
+            vocab_size = engine.vllm_config.model_config.get_vocab_size()
             _measure(
                 engine, sample_random_requests(1, (input_len, input_len), (2, 2), vocab_size, 1)
             )  # warm up

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from nano_v1.benchmarks.utils import length_range, run_on_model, sample_random_requests, write_json
-from nano_v1.config import EngineArgs
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from nano_v1.request import Request
 from nano_v1.sample.sampler import SamplerOutput
@@ -64,10 +64,10 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     output_range = length_range(None, 0.0, tuple(args.output_len_range))
     if engine_args.max_model_len is None:
         engine_args.max_model_len = input_range[1] + output_range[1]
-    engine_config = engine_args.create_engine_config()
-    cache_config = engine_config.cache_config
+    vllm_config = engine_args.create_engine_config()
+    cache_config = vllm_config.cache_config
     workload = sample_random_requests(
-        args.num_requests, input_range, output_range, engine_config.model_config.get_vocab_size(), engine_args.seed
+        args.num_requests, input_range, output_range, vllm_config.model_config.get_vocab_size(), engine_args.seed
     )
     block_size = cache_config.block_size
     # Enough blocks for every request at its full length, plus the null block: no preemption.
@@ -75,9 +75,9 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
         -(-(r.prompt_len + r.output_len) // block_size) for r in workload
     )
 
-    scheduler = Scheduler(engine_config)
+    scheduler = Scheduler(vllm_config)
     # On a GPU the runner's host-to-device copies are part of its per-step cost.
-    runner = GPUModelRunner(engine_config, torch.device(engine_config.device_config.device))
+    runner = GPUModelRunner(vllm_config, torch.device(vllm_config.device_config.device))
     block_hasher = get_request_block_hasher(block_size) if cache_config.enable_prefix_caching else None
     for i, r in enumerate(workload):
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from nano_v1.benchmarks.utils import sample_random_requests, write_json
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 
 NAME = "serve"
 USES_ENGINE_ARGS = True
@@ -50,9 +50,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    from nano_v1.entrypoints.cli import engine_args_from
 
-    report = run(args, engine_args_from(args))
+    report = run(args, EngineArgs.from_cli_args(args))
     print_table(report)
     if args.output_json:
         write_json(args.output_json, report)
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
 
     server = BackgroundServer(engine_args, served_model_name=args.served_model_name)
     try:
-        vocab_size = server.engine.engine_config.model_config.get_vocab_size()
+        vocab_size = server.engine.vllm_config.model_config.get_vocab_size()
         return _sweep(args, server.base_url, vocab_size)
     finally:
         server.stop()

@@ -138,7 +138,7 @@ def run_cpu_sweep(
             del llm
     return {
         "model": "bundled demo model",
-        "dtype": str(baseline.llm_engine.engine_config.model_config.dtype).removeprefix("torch."),
+        "dtype": str(baseline.llm_engine.vllm_config.model_config.dtype).removeprefix("torch."),
         "workload": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
                      "max_num_seqs": engine_args["max_num_seqs"], "prompts": "held-out stdlib files"},
         "baseline": {key: reference[key] for key in ("wall_s", "num_steps", "tokens_per_request_step")},

@@ -35,7 +35,8 @@ from nano_v1.benchmarks.utils import (
     sample_random_requests,
     write_json,
 )
-from nano_v1.config import EngineArgs, EngineConfig
+from nano_v1.config import VllmConfig
+from nano_v1.engine.arg_utils import EngineArgs
 
 NAME = "throughput"
 USES_ENGINE_ARGS = True
@@ -101,8 +102,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
-    engine_config = engine_args.create_engine_config()
-    model_config = engine_config.model_config
+    vllm_config = engine_args.create_engine_config()
+    model_config = vllm_config.model_config
     input_explicit = args.input_len_range or (DEFAULT_INPUT_LEN_RANGE if args.input_len is None else None)
     input_range = length_range(args.input_len, args.random_range_ratio, input_explicit)
     output_range = length_range(args.output_len, args.random_range_ratio, args.output_len_range)
@@ -114,17 +115,17 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     requests = sample_random_requests(
         args.num_prompts, input_range, output_range, model_config.get_vocab_size(), engine_args.seed
     )
-    flops = workload_flops(engine_config, requests)
+    flops = workload_flops(vllm_config, requests)
     peers = {"none": (), "all": PEERS}.get(args.peers, (args.peers,))
 
     results: dict[str, RunResult] = {"nano_v1": run_nano_v1(engine_args, requests)}
-    device = engine_config.device_config.device
+    device = vllm_config.device_config.device
     if device.startswith("cuda"):
         # nano_v1's engine is out of scope; collect it so its KV cache memory goes to the peers.
         gc.collect()
         torch.cuda.empty_cache()
     if peers:
-        model = load_hf_model(engine_config)
+        model = load_hf_model(vllm_config)
         if "generate_batch" in peers:
             max_batch_tokens = args.hf_max_batch_tokens or (CPU_HF_MAX_BATCH_TOKENS if device == "cpu" else None)
             results["generate_batch"] = run_generate_batch(model, requests, max_batch_tokens)
@@ -154,14 +155,14 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     return report
 
 
-def workload_flops(engine_config: EngineConfig, requests: list[BenchRequest]) -> float:
+def workload_flops(vllm_config: VllmConfig, requests: list[BenchRequest]) -> float:
     """Matmul FLOPs the workload needs at least: 2 x weights per token, plus the LM head per sampled token.
 
     This is the compute floor every engine pays; attention over the context comes on top
     (small for these lengths) and is left out. Dividing by the time gives achieved GFLOP/s,
     which on a CPU says how far each engine is from the machine's matmul rate.
     """
-    mc = engine_config.model_config
+    mc = vllm_config.model_config
     hidden, head = mc.get_hidden_size(), mc.get_head_size()
     q_size, kv_size = mc.get_num_attention_heads() * head, mc.get_num_kv_heads() * head
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * mc.hf_config.intermediate_size
@@ -192,13 +193,13 @@ def time_llm_generate(llm, requests: list[BenchRequest]) -> RunResult:
     return RunResult(elapsed, sum(len(o.prompt_token_ids) for o in outputs), sum(lengths))
 
 
-def load_hf_model(engine_config: EngineConfig):
+def load_hf_model(vllm_config: VllmConfig):
     """The same checkpoint through transformers, on nano_v1's device and dtype."""
     from transformers import AutoModelForCausalLM
 
-    model_config = engine_config.model_config
+    model_config = vllm_config.model_config
     model = AutoModelForCausalLM.from_pretrained(model_config.model, dtype=model_config.dtype)
-    return model.to(engine_config.device_config.device).eval()
+    return model.to(vllm_config.device_config.device).eval()
 
 
 def _greedy_config(max_new_tokens: int):

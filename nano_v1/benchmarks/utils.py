@@ -19,12 +19,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 
 # The model GOALS.md measures against: a 4-layer Qwen3 with hidden size 256, 5.2M parameters
 # (2.1M of them in the untied 4096 x 256 embedding and LM head). Small enough that a step on
@@ -119,9 +118,8 @@ def run_on_model(
     args: Any, run: Callable[[Any, EngineArgs], dict[str, Any]], weights: bool = True
 ) -> dict[str, Any]:
     """`run(args, engine_args)` on `--model`, or, without one, on a temporary tiny Qwen3."""
-    from nano_v1.entrypoints.cli import engine_args_from
 
-    engine_args = engine_args_from(args)
+    engine_args = EngineArgs.from_cli_args(args)
     if args.model is not None:
         return run(args, engine_args)
     with tempfile.TemporaryDirectory(prefix="nano_v1_bench_") as model_dir:

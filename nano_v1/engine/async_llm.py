@@ -17,8 +17,9 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 
-from nano_v1.config import EngineArgs, EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.engine import EngineDeadError
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from nano_v1.engine.llm_engine import fan_out
 from nano_v1.engine.output_processor import OutputProcessor
@@ -32,13 +33,13 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     """Create inside a running event loop (`AsyncLLM.from_engine_args(...)`)."""
 
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.engine_config = engine_config
-        self.tokenizer = load_tokenizer(engine_config.model_config)
-        self.processor = Processor(engine_config.model_config, self.tokenizer)
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.tokenizer = load_tokenizer(vllm_config.model_config)
+        self.processor = Processor(vllm_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(
-            multiprocess_mode=True, asyncio_mode=True, engine_config=engine_config
+            multiprocess_mode=True, asyncio_mode=True, vllm_config=vllm_config
         )
         # Per user request: the queue its `generate()` awaits (outputs, or the error that ended it).
         self.request_queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}

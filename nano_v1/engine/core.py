@@ -17,12 +17,13 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from nano_v1.config import EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput
@@ -33,23 +34,23 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.engine_config = engine_config
-        self.model_executor = Worker(engine_config)
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.model_executor = Worker(vllm_config)
         self.model_executor.init_device()
         self.model_executor.load_model()
         self._initialize_kv_caches()
         self.model_executor.compile_or_warm_up_model()
-        self.scheduler = Scheduler(engine_config)
-        cache_config = engine_config.cache_config
+        self.scheduler = Scheduler(vllm_config)
+        cache_config = vllm_config.cache_config
         self.request_block_hasher = (
             get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None
         )
 
     def _initialize_kv_caches(self) -> None:
         """Size the paged KV cache from the memory left after the model (chapter 02)."""
-        cache_config = self.engine_config.cache_config
-        max_model_len = self.engine_config.model_config.max_model_len
+        cache_config = self.vllm_config.cache_config
+        max_model_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
         page_size = self.model_executor.get_kv_cache_page_size()  # bytes per block, all layers
         if cache_config.num_gpu_blocks_override is not None:
@@ -104,13 +105,23 @@ class EngineCore:
 
         After `update_from_output`, so that the drafts follow the tokens just accepted.
         """
-        if model_executed and self.engine_config.speculative_config is not None:
+        if model_executed and self.vllm_config.speculative_config is not None:
             draft_token_ids = self.model_executor.take_draft_token_ids()
             if draft_token_ids is not None:
                 self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
+        """Run `method` on every worker and return one result per worker (vLLM's name).
+
+        `method` is a `Worker` method's name, or, in-process only, a function called as
+        `method(worker, *args)`. With one worker the list has one entry.
+        """
+        if isinstance(method, str):
+            return [getattr(self.model_executor, method)(*args)]
+        return [method(self.model_executor, *args)]
 
     def get_kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by requests (0.0 once every request has finished)."""
@@ -131,8 +142,8 @@ class EngineCoreProc(EngineCore):
     # Sent on the output socket instead of outputs when the busy loop fails.
     ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
-    def __init__(self, engine_config: EngineConfig, input_address: str, output_address: str) -> None:
-        super().__init__(engine_config)
+    def __init__(self, vllm_config: VllmConfig, input_address: str, output_address: str) -> None:
+        super().__init__(vllm_config)
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes] = queue.Queue()
         # The IO threads release the GIL while they block on a socket or a queue, and msgspec
@@ -150,7 +161,7 @@ class EngineCoreProc(EngineCore):
 
     @staticmethod
     def run_engine_core(
-        engine_config: EngineConfig, input_address: str, output_address: str, conn: Connection,
+        vllm_config: VllmConfig, input_address: str, output_address: str, conn: Connection,
         parent_conn: Connection | None, num_threads: int,
     ) -> None:
         """Entry point of the engine-core process: start, report over `conn`, then loop forever.
@@ -167,12 +178,12 @@ class EngineCoreProc(EngineCore):
         torch.set_num_threads(num_threads)
         threading.Thread(target=_exit_when_parent_dies, args=(conn,), daemon=True, name="DeathPipe").start()
         try:
-            engine_core = EngineCoreProc(engine_config, input_address, output_address)
+            engine_core = EngineCoreProc(vllm_config, input_address, output_address)
         except BaseException as e:
             # A ValueError (say, a KV cache too small for max_model_len) reaches the user as one.
             conn.send(("FAILED", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
             raise
-        conn.send(("READY", engine_config.cache_config.num_gpu_blocks))
+        conn.send(("READY", vllm_config.cache_config.num_gpu_blocks))
         try:
             engine_core.run_busy_loop()
         except BaseException:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from nano_v1.config import EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -57,15 +57,15 @@ class EngineCoreClient:
 
     @staticmethod
     def make_client(
-        multiprocess_mode: bool, asyncio_mode: bool, engine_config: EngineConfig
+        multiprocess_mode: bool, asyncio_mode: bool, vllm_config: VllmConfig
     ) -> "EngineCoreClient":
         if asyncio_mode:
             if not multiprocess_mode:
                 raise ValueError("the asyncio client needs the engine core in its own process.")
-            return AsyncMPClient(engine_config)
+            return AsyncMPClient(vllm_config)
         if multiprocess_mode:
-            return SyncMPClient(engine_config)
-        return InprocClient(engine_config)
+            return SyncMPClient(vllm_config)
+        return InprocClient(vllm_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError
@@ -87,8 +87,8 @@ class EngineCoreClient:
 class InprocClient(EngineCoreClient):
     """The engine core in this process: `get_output()` runs one step."""
 
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.engine_core = EngineCore(engine_config)
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.engine_core = EngineCore(vllm_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -146,7 +146,7 @@ class BackgroundResources:
 class MPClient(EngineCoreClient):
     """Base of the multiprocess clients: start the engine-core process and connect to it."""
 
-    def __init__(self, asyncio_mode: bool, engine_config: EngineConfig) -> None:
+    def __init__(self, asyncio_mode: bool, vllm_config: VllmConfig) -> None:
         import zmq
         import zmq.asyncio
 
@@ -168,7 +168,7 @@ class MPClient(EngineCoreClient):
         self.resources.sockets += [self.input_socket, self.output_socket]
         self.utility_results: dict[int, Any] = {}  # call id -> future
         try:
-            proc = self._start_engine_core(engine_config, input_address, output_address)
+            proc = self._start_engine_core(vllm_config, input_address, output_address)
             # The DEALER's hello tells the ROUTER the engine's identity, the address of every message.
             sync_input = zmq.Socket.shadow(self.input_socket.underlying)
             if not sync_input.poll(timeout=60_000):
@@ -179,7 +179,7 @@ class MPClient(EngineCoreClient):
             raise
         self._start_engine_core_monitor(proc)
 
-    def _start_engine_core(self, engine_config: EngineConfig, input_address: str, output_address: str):
+    def _start_engine_core(self, vllm_config: VllmConfig, input_address: str, output_address: str):
         """Start the engine-core process; return once it reports READY (or raise what it raised)."""
         ctx = _multiproc_context()
         parent_conn, child_conn = ctx.Pipe()
@@ -187,7 +187,7 @@ class MPClient(EngineCoreClient):
         proc = ctx.Process(
             target=EngineCoreProc.run_engine_core,
             args=(
-                engine_config,
+                vllm_config,
                 input_address,
                 output_address,
                 child_conn,
@@ -207,7 +207,7 @@ class MPClient(EngineCoreClient):
         status, payload = parent_conn.recv()
         if status == "FAILED":
             raise payload
-        engine_config.cache_config.num_gpu_blocks = payload  # sized in the child; the frontend reports it
+        vllm_config.cache_config.num_gpu_blocks = payload  # sized in the child; the frontend reports it
         return proc
 
     def _start_engine_core_monitor(self, proc) -> None:
@@ -281,9 +281,9 @@ def _route_output(
 class SyncMPClient(MPClient):
     """For `LLM`/`LLMEngine`: a thread reads the output socket into a queue; `get_output` blocks on it."""
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
-        super().__init__(asyncio_mode=False, engine_config=engine_config)
+        super().__init__(asyncio_mode=False, vllm_config=vllm_config)
         import zmq
 
         # The thread gets what it needs, not the client, so the client can still be collected.
@@ -344,10 +344,10 @@ class AsyncMPClient(MPClient):
     Must be created inside the event loop that will use it.
     """
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         self.loop = asyncio.get_running_loop()
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
-        super().__init__(asyncio_mode=True, engine_config=engine_config)
+        super().__init__(asyncio_mode=True, vllm_config=vllm_config)
         output_socket, decoder, resources = self.output_socket, self.decoder, self.resources
         outputs_queue, utility_results = self.outputs_queue, self.utility_results
 

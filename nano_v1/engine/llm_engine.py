@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from nano_v1 import envs
-from nano_v1.config import EngineArgs, EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.engine import EngineCoreRequest
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.core_client import EngineCoreClient
 from nano_v1.engine.output_processor import OutputProcessor
 from nano_v1.engine.processor import Processor, PromptType, load_tokenizer
@@ -45,16 +48,16 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
 
 
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig, multiprocess_mode: bool = False) -> None:
-        self.engine_config = engine_config
-        self.tokenizer = load_tokenizer(engine_config.model_config)
-        self.processor = Processor(engine_config.model_config, self.tokenizer)
+    def __init__(self, vllm_config: VllmConfig, multiprocess_mode: bool = False) -> None:
+        self.vllm_config = vllm_config
+        self.tokenizer = load_tokenizer(vllm_config.model_config)
+        self.processor = Processor(vllm_config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(
-            multiprocess_mode=multiprocess_mode, asyncio_mode=False, engine_config=engine_config
+            multiprocess_mode=multiprocess_mode, asyncio_mode=False, vllm_config=vllm_config
         )
         # Running totals of the core's per-step statistics, read by get_metrics().
-        speculative_config = engine_config.speculative_config
+        speculative_config = vllm_config.speculative_config
         self.spec_decoding_stats = (
             None if speculative_config is None else SpecDecodingStats.new(speculative_config.num_speculative_tokens)
         )
@@ -117,6 +120,10 @@ class LLMEngine:
     def get_metrics(self) -> list[Metric]:
         """Totals since the engine started, as vLLM names them (speculative decoding only, for now)."""
         return [] if self.spec_decoding_stats is None else spec_decoding_metrics(self.spec_decoding_stats)
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
+        """`EngineCore.collective_rpc`, wherever the engine core runs (a function only in-process)."""
+        return self.engine_core.call_utility("collective_rpc", method, tuple(args))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parent_requests)

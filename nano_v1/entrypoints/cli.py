@@ -2,8 +2,8 @@
 
 Mirrors vllm/entrypoints/cli/ (chapters 01 and 09).
 
-Engine flags are derived from `EngineArgs`' fields, so the CLI and `LLM(**kwargs)`
-accept the same names (`--max-num-seqs` is `max_num_seqs`), as in vLLM.
+Engine flags come from `EngineArgs.add_cli_args`, so the CLI and `LLM(**kwargs)` accept
+the same names (`--max-num-seqs` is `max_num_seqs`), as in vLLM.
 """
 
 from __future__ import annotations
@@ -12,35 +12,14 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-import typing
 
-from nano_v1.config import EngineArgs
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per EngineArgs field; defaults come from the dataclass."""
-    group = parser.add_argument_group("engine arguments (same names as LLM(**kwargs))")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-            group.add_argument(flag, type=base if base in (int, float) else str, default=None)
-
-
-def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    """EngineArgs from the flags the user actually gave (others keep their defaults)."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs.from_kwargs(**{k: v for k, v in given.items() if v is not None})
+from nano_v1.engine.arg_utils import EngineArgs
 
 
 def _generate(args: argparse.Namespace) -> None:
     from nano_v1 import LLM, SamplingParams
 
-    engine_args = engine_args_from(args)
+    engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -58,7 +37,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    engine_args = engine_args_from(args)
+    engine_args = EngineArgs.from_cli_args(args)
     asyncio.run(run_server(engine_args, args.host, args.port, args.served_model_name))
 
 
@@ -74,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("-n", "--n", type=int, default=1)
     gen.add_argument("--sampling-seed", type=int, default=None)
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
     server = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the bundled demo model)")
@@ -82,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
-    add_engine_args(server)
+    EngineArgs.add_cli_args(server)
     server.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a peer and writes JSON)")
@@ -93,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         p = bench_sub.add_parser(module.NAME, help=module.__doc__.splitlines()[0])
         module.add_cli_args(p)
         if module.USES_ENGINE_ARGS:
-            add_engine_args(p)
+            EngineArgs.add_cli_args(p)
         p.set_defaults(func=module.main)
 
     args = parser.parse_args(argv)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from nano_v1.config import EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.llm_engine import LLMEngine
 from nano_v1.engine.processor import PromptType
 from nano_v1.metrics.reader import Metric
@@ -42,6 +43,15 @@ class LLM:
         """A snapshot of the engine's counters since it started, e.g. speculative decoding's
         `vllm:spec_decode_num_accepted_tokens` (see nano_v1/metrics/reader.py)."""
         return self.llm_engine.get_metrics()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
+        """Run a worker method (by name) or a function `f(worker, *args)` on every worker; one result each.
+
+        vLLM's hook for reaching into the workers; the benchmarks time steps with it
+        (`collective_rpc("start_step_timing")`). A function works only with the engine core
+        in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it cannot be sent to another.
+        """
+        return self.llm_engine.collective_rpc(method, args)
 
     def generate(
         self,

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from nano_v1.config import set_current_vllm_config
+
 if TYPE_CHECKING:
-    from nano_v1.config import ModelConfig
+    from nano_v1.config import VllmConfig
 
 
 def check_shape(target: torch.Tensor, loaded_weight: torch.Tensor, where: str = "the parameter") -> None:
@@ -84,13 +86,18 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Itera
         torch.set_default_dtype(previous)
 
 
-def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Build the model class that the checkpoint's `architectures` name and load its weights."""
+def get_model(vllm_config: VllmConfig, device: torch.device) -> nn.Module:
+    """Build the model class that the checkpoint's `architectures` name and load its weights.
+
+    The modules are built under `set_current_vllm_config`, which is how each `Attention`
+    layer finds the backend the config chose.
+    """
     from nano_v1.model_executor.models import resolve_model_cls
 
+    model_config = vllm_config.model_config
     hf_config = model_config.hf_config
     model_cls = resolve_model_cls(list(getattr(hf_config, "architectures", None) or []))
-    with _default_dtype_and_device(model_config.dtype, torch.device(device)):
+    with set_current_vllm_config(vllm_config), _default_dtype_and_device(model_config.dtype, torch.device(device)):
         model = model_cls(hf_config)
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, seed=model_config.seed)

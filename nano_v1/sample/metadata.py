@@ -9,9 +9,12 @@ persistent batch rebuilds this only when its membership changes, not every step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from nano_v1.sample.logits_processor import LogitsProcessor
 
 
 @dataclass(slots=True)
@@ -30,3 +33,5 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # Largest `logprobs` asked for in the batch; None when nobody asked.
     max_num_logprobs: int | None
+    # Applied to the logits before sampling, in order (vLLM: the non-argmax-invariant ones).
+    logitsprocs: Sequence[LogitsProcessor] = ()

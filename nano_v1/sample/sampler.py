@@ -29,6 +29,16 @@ class LogprobsTensors:
     logprob_token_ids: torch.Tensor  # [num_reqs, 1 + max_num_logprobs] int64
     logprobs: torch.Tensor  # [num_reqs, 1 + max_num_logprobs] float32
 
+    def tolists(self, num_logprobs: list[int | None]) -> list[list[dict[int, float]]]:
+        """Per row: [{token_id: logprob}] of the sampled token and the row's own top `num_logprobs[row]`
+        ([] where that is None: the row asked for none, or its sample was discarded)."""
+        token_ids = self.logprob_token_ids.tolist()
+        logprobs = self.logprobs.tolist()
+        return [
+            [] if n is None else [dict(zip(ids[: 1 + n], values[: 1 + n]))]
+            for ids, values, n in zip(token_ids, logprobs, num_logprobs)
+        ]
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -40,12 +50,15 @@ class Sampler(nn.Module):
     """logits [num_reqs, vocab] + SamplingMetadata -> one token per row.
 
     Logprobs, when asked for, are those of the model's raw distribution (log_softmax of
-    the logits before temperature and truncation), as in vLLM's default mode.
+    the logits before logits processors, temperature and truncation), as in vLLM's
+    default mode.
     """
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = sampling_metadata.max_num_logprobs
         raw_logprobs = None if num_logprobs is None else self.compute_logprobs(logits)
+        for processor in sampling_metadata.logitsprocs:
+            logits = processor.apply(logits)  # e.g. no EOS before min_tokens
         sampled = self.sample(logits.to(torch.float32), sampling_metadata)  # [num_reqs] int64
         return SamplerOutput(
             sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1),  # [num_reqs, 1]

@@ -87,12 +87,6 @@ class BlockTable:
         self.block_table.np[tgt, :num_blocks] = self.block_table.np[src, :num_blocks]
         self.num_blocks_per_row[tgt] = num_blocks
 
-    def swap_row(self, src: int, tgt: int) -> None:
-        """Exchange rows `src` and `tgt`."""
-        pair, flipped = [src, tgt], [tgt, src]
-        self.num_blocks_per_row[pair] = self.num_blocks_per_row[flipped]
-        self.block_table.np[pair] = self.block_table.np[flipped]  # fancy indexing copies first
-
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> None:
         """Cache slot of each scheduled token: block_table[req, pos // B] * B + pos % B.
 

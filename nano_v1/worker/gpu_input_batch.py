@@ -11,11 +11,13 @@ O(changes). Rows stay dense (`0 .. num_reqs-1`) so that every column can be slic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MinTokensLogitsProcessor
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.worker.block_table import BlockTable, CpuGpuBuffer
@@ -103,8 +105,16 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # Request id -> number of top logprobs it wants.
         self.num_logprobs: dict[str, int] = {}
+        # Requests the proposer must not draft for (chapter 10): those that want logprobs
+        # (drafts would need them at every position) or min_tokens (the stop mask too).
+        self.spec_decode_unsupported_reqs: set[str] = set()
+        # Logits processors and the batch changes they have not seen yet (removed, added, moved).
+        self.logitsprocs: list[LogitsProcessor] = [MinTokensLogitsProcessor(device)]
+        self._removed: list[int] = []
+        self._added: list[tuple[int, SamplingParams, list[int]]] = []
+        self._moved: list[tuple[int, int]] = []
 
-        # The per-row numpy columns, moved and swapped together with the request.
+        # The per-row numpy columns, moved together with the request.
         self._columns: list[np.ndarray] = [
             self.num_tokens,
             self.num_prompt_tokens,
@@ -168,6 +178,11 @@ class InputBatch:
         if params.logprobs is not None:
             # Asking for more than the vocabulary returns the whole vocabulary.
             self.num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
+        if params.logprobs is not None or params.min_tokens > 0:
+            self.spec_decode_unsupported_reqs.add(req_id)
+        if req_index in self._removed:
+            self._removed.remove(req_index)  # the hole is filled: not a removal any more
+        self._added.append((req_index, params, request.output_token_ids))
         return req_index
 
     def remove_request(self, req_id: str) -> int | None:
@@ -185,25 +200,9 @@ class InputBatch:
         self.top_k_reqs.discard(req_id)
         self.generators.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
+        self.spec_decode_unsupported_reqs.discard(req_id)
+        self._removed.append(req_index)
         return req_index
-
-    def swap_states(self, i1: int, i2: int) -> None:
-        """Exchange the requests in rows i1 and i2 (used to reorder the batch)."""
-        id1, id2 = self._req_ids[i1], self._req_ids[i2]
-        assert id1 is not None and id2 is not None
-        self._req_ids[i1], self._req_ids[i2] = id2, id1
-        self.req_id_to_index[id1], self.req_id_to_index[id2] = i2, i1
-        n = max(self.num_tokens[i1], self.num_tokens[i2])
-        # Fancy indexing on the right makes a copy, so the two rows do not clobber each other.
-        self.token_ids_cpu[[i1, i2], :n] = self.token_ids_cpu[[i2, i1], :n]
-        for column in self._columns:
-            column[[i1, i2]] = column[[i2, i1]]
-        self.block_table.swap_row(i1, i2)
-        g1, g2 = self.generators.pop(i1, None), self.generators.pop(i2, None)
-        if g1 is not None:
-            self.generators[i2] = g1
-        if g2 is not None:
-            self.generators[i1] = g2
 
     def condense(self, empty_req_indices: list[int]) -> None:
         """Close the holes left by remove_request: move the last row into the lowest hole.
@@ -236,6 +235,7 @@ class InputBatch:
         generator = self.generators.pop(src, None)
         if generator is not None:
             self.generators[tgt] = generator
+        self._moved.append((src, tgt))
 
     # ------------------------------------------------------------------ sampling
     @property
@@ -262,6 +262,16 @@ class InputBatch:
         """Rebuild the sampling metadata; call after the batch's membership changed."""
         self.sampling_metadata = self._make_sampling_metadata()
 
+    def update_logitsprocs(self) -> None:
+        """Tell every logits processor what changed since the last step; call once per step
+        (output lengths grow every step, so a processor's state changes even when rows do not)."""
+        batch_update = None
+        if self._removed or self._added or self._moved:
+            batch_update = BatchUpdate(self.num_reqs, self._removed, self._added, self._moved)
+            self._removed, self._added, self._moved = [], [], []
+        for processor in self.logitsprocs:
+            processor.update_state(batch_update)
+
     def _make_sampling_metadata(self) -> SamplingMetadata:
         num_reqs = self.num_reqs
         # Columns nobody uses are not copied to the device at all.
@@ -273,4 +283,18 @@ class InputBatch:
             top_k=None if self.no_top_k else self.top_k.copy_to_gpu(num_reqs),
             generators=self.generators,
             max_num_logprobs=self.max_num_logprobs,
+            logitsprocs=self.logitsprocs,
         )
+
+    def sampling_metadata_for_step(self, discard_req_indices: np.ndarray) -> SamplingMetadata:
+        """The batch's sampling metadata, minus the generators of rows whose sample is discarded.
+
+        A seeded request must draw from its generator only for tokens it keeps; otherwise
+        its output would depend on how its prompt was chunked.
+        """
+        metadata = self.sampling_metadata
+        discarded = set(discard_req_indices.tolist())
+        if discarded.isdisjoint(metadata.generators):
+            return metadata
+        generators = {row: g for row, g in metadata.generators.items() if row not in discarded}
+        return dataclasses.replace(metadata, generators=generators)

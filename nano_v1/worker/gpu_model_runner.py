@@ -13,15 +13,14 @@ scheduler again.
 
 Chapter 08: with compilation on, `load_model` has Dynamo trace the model once (the token
 count symbolic) and the piecewise backend split it at attention; `capture_model` then
-records a CUDA graph per capture size at start-up. Each step pads its token count up to
-the next capture size (`_select_cudagraph`) and tells the graph wrappers, through the
-forward context, which graph to replay. The padding rows compute garbage that nothing
-reads: attention caches and attends only the real tokens, and logits take real rows only.
+records a CUDA graph per key of the `CudagraphDispatcher` at start-up. Each step asks the
+dispatcher which graph to replay and how far to pad, and tells the graph wrappers through
+the forward context. The padding rows compute garbage that nothing reads: attention
+caches and attends only the real tokens, and logits take real rows only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -30,24 +29,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from nano_v1.attention.backends.flash_attn import (
-    FlashAttentionBackend,
-    FlashAttentionMetadataBuilder,
-    get_num_sms,
-)
-from nano_v1.attention.backends.utils import CommonAttentionMetadata
+from nano_v1.attention.backends.flash_attn import get_num_sms
+from nano_v1.attention.backends.utils import AttentionCGSupport, CommonAttentionMetadata
 from nano_v1.attention.layer import Attention
+from nano_v1.attention.selector import get_attn_backend
 from nano_v1.compilation.backends import VllmBackend
 from nano_v1.compilation.cuda_graph import CUDAGraphWrapper, GraphPool
-from nano_v1.config import CompilationLevel, CUDAGraphMode, EngineConfig
+from nano_v1.compilation.decorators import compile_forward
+from nano_v1.config import CompilationLevel, CUDAGraphMode, VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
 from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.model_executor.model_loader import get_model
-from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput, StepTiming
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nano_v1.sample.sampler import Sampler, SamplerOutput
-from nano_v1.spec_decode.metadata import SpecDecodeMetadata, segment_arange
+from nano_v1.spec_decode.metadata import SpecDecodeMetadata, calc_spec_decode_metadata, segment_arange
 from nano_v1.spec_decode.ngram_proposer import NgramProposer
 from nano_v1.worker.block_table import CpuGpuBuffer
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -69,11 +67,12 @@ class GPUModelRunner:
     # Tests swap in a recording fake to exercise capture and replay without a GPU.
     cudagraph_wrapper_cls: type[CUDAGraphWrapper] = CUDAGraphWrapper
 
-    def __init__(self, engine_config: EngineConfig, device: torch.device) -> None:
-        self.model_config = engine_config.model_config
-        self.cache_config = engine_config.cache_config
-        self.scheduler_config = engine_config.scheduler_config
-        self.compilation_config = engine_config.compilation_config
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.compilation_config = vllm_config.compilation_config
         self.device = device
         self.dtype = self.model_config.dtype
         self.pin_memory = device.type == "cuda"
@@ -85,24 +84,26 @@ class GPUModelRunner:
         self.model: nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.attn_metadata_builder = FlashAttentionMetadataBuilder(
-            device, self.model_config.attention_backend
-        )
+        # The backend every Attention layer of the model also picks (attention/selector.py).
+        self.attn_backend = get_attn_backend(self.model_config.attention_backend)
+        self.attn_metadata_builder = self.attn_backend.get_builder_cls()(device)
         self.cascade_attn_enabled = not self.model_config.disable_cascade_attn
         self.num_sms = get_num_sms(device)
         self.sampler = Sampler()
+        self.cudagraph_dispatcher = CudagraphDispatcher(vllm_config)
+        self._check_and_update_cudagraph_mode()
         self.graph_pool: GraphPool | None = None  # shared by every CUDA graph this runner captures
         self.compile_backend: VllmBackend | None = None  # set when the model is compiled (level 3)
         # Speculative decoding (chapter 10): drafts proposed after each step, verified in the next.
-        speculative_config = engine_config.speculative_config
+        speculative_config = vllm_config.speculative_config
         self.drafter = NgramProposer(speculative_config) if speculative_config is not None else None
         self.rejection_sampler = RejectionSampler()
         self._draft_token_ids: list[list[int]] | None = None
+        # A StepTiming per execute_model while the worker's step timing is on (benchmarks).
+        self.step_timings: list[StepTiming] | None = None
 
         # Every request the runner knows, in the batch or preempted; dropped when finished.
         self.requests: dict[str, CachedRequestState] = {}
-        # Requests that may not stop yet (`min_tokens`); usually empty.
-        self.min_tokens_req_ids: set[str] = set()
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -125,52 +126,40 @@ class GPUModelRunner:
         self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens))
 
     # ------------------------------------------------------------------ model and cache
+    def _check_and_update_cudagraph_mode(self) -> None:
+        """Give up FULL graphs if the attention backend cannot be captured, then fix the graph keys.
+
+        vLLM's method of the same name. The reference plans every step on the host, which a
+        graph cannot replay (`AttentionCGSupport.NEVER`); its steps then run PIECEWISE.
+        """
+        config = self.compilation_config
+        mode = config.cudagraph_mode
+        if mode.has_full_cudagraphs() and self.attn_metadata_builder.cudagraph_support == AttentionCGSupport.NEVER:
+            fallback = CUDAGraphMode.PIECEWISE if config.level == CompilationLevel.PIECEWISE else CUDAGraphMode.NONE
+            logger.warning(
+                "cudagraph_mode=%s needs an attention backend a CUDA graph can capture, and %s cannot be: "
+                "using %s", mode.name, self.attn_backend.get_name(), fallback.name,
+            )
+            config.cudagraph_mode = mode = fallback
+        self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
+
     def load_model(self) -> None:
-        self.model = get_model(self.model_config, self.device)
+        self.model = get_model(self.vllm_config, self.device)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
         if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             self.graph_pool = GraphPool.create(self.device)
         if self.compilation_config.level == CompilationLevel.PIECEWISE:
-            self._compile_model()
+            # Dynamo traces the model once and the piecewise backend splits it at attention.
+            self.compile_backend = VllmBackend(self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls)
+            num_tokens = min(self.max_num_tokens, 16)
+            compile_forward(self.model, self.compile_backend, self.input_ids.gpu[:num_tokens],
+                            self.positions.gpu[:num_tokens], self.attn_layers)
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
             # The whole forward pass, attention included, as one graph per size.
             self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
 
-    @torch.inference_mode()
-    def _compile_model(self) -> None:
-        """Trace the model once with Dynamo, the token count symbolic, and split it (chapter 08).
-
-        `mark_dynamic` makes dimension 0 of the inputs a symbol instead of a constant. Dynamo
-        then guards the graph with facts about that symbol it relied on while tracing (for
-        example "not 1", from a reshape), and would trace again for a 1-token step; those
-        shape guards are dropped, as vLLM skips guards altogether: the graph's ops work at
-        any token count. The trace runs on a small dummy batch from the persistent buffers,
-        which every later step slices too.
-        """
-        self.compile_backend = VllmBackend(
-            self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls
-        )
-        self.model.forward = torch.compile(
-            self.model.forward,
-            backend=self.compile_backend,
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": lambda guards: [g.guard_type != "SHAPE_ENV" for g in guards]},
-        )
-        num_tokens = min(self.max_num_tokens, 16)
-        input_ids, positions = self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens]
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
-        start = time.perf_counter()
-        with set_forward_context(None, self.attn_layers):
-            self.model(input_ids, positions)
-        logger.info(
-            "torch.compile: traced once and split into %d pieces in %.2f s",
-            len(self.compile_backend.piecewise_graphs), time.perf_counter() - start,
-        )
-
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return FlashAttentionBackend.get_kv_cache_shape(
+        return self.attn_backend.get_kv_cache_shape(
             num_blocks,
             self.block_size,
             self.model_config.get_num_kv_heads(),
@@ -235,7 +224,6 @@ class GPUModelRunner:
         removed_req_indices: list[int] = []
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-            self.min_tokens_req_ids.discard(req_id)
             req_index = input_batch.remove_request(req_id)
             if req_index is not None:
                 removed_req_indices.append(req_index)
@@ -263,8 +251,6 @@ class GPUModelRunner:
             )
             self.requests[new_req.req_id] = req_state
             reqs_to_add.append(req_state)
-            if params.min_tokens > 0 and params.all_stop_token_ids:
-                self.min_tokens_req_ids.add(new_req.req_id)
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -298,6 +284,7 @@ class GPUModelRunner:
             input_batch.condense(removed_req_indices)
         if batch_changed:
             input_batch.refresh_sampling_metadata()
+        input_batch.update_logitsprocs()
 
         # Drafts to verify go right after the request's known tokens in the token table,
         # where _prepare_inputs gathers input ids; num_tokens does not count them, so
@@ -378,6 +365,8 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: update the persistent batch, prepare inputs, run the model, sample, keep the tokens."""
+        start = time.perf_counter()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
@@ -386,15 +375,15 @@ class GPUModelRunner:
         if scheduler_output.scheduled_spec_decode_tokens:
             spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
             logits_indices = spec_decode_metadata.logits_indices
-        num_input_tokens, cudagraph_runtime_mode, batch_descriptor = self._select_cudagraph(
-            common_attn_metadata
-        )
+
+        num_tokens, num_reqs = common_attn_metadata.num_actual_tokens, common_attn_metadata.num_reqs
+        uniform_decode = common_attn_metadata.max_query_len == 1 and num_tokens == num_reqs
+        cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(num_tokens, uniform_decode)
+        num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
         common_prefix_len = 0
         if cudagraph_runtime_mode == CUDAGraphMode.FULL:
             # The FULL graph captured plain attention, so a graphed step never cascades.
-            common_attn_metadata = self._pad_for_full_graph(
-                common_attn_metadata.num_reqs, num_input_tokens, common_attn_metadata.max_seq_len
-            )
+            common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, common_attn_metadata.max_seq_len)
         elif self.cascade_attn_enabled:
             common_prefix_len = self._compute_cascade_attn_prefix_len(
                 np.diff(common_attn_metadata.query_start_loc_cpu.numpy()),
@@ -403,15 +392,23 @@ class GPUModelRunner:
         attn_metadata = self.attn_metadata_builder.build(
             common_prefix_len=common_prefix_len, common_attn_metadata=common_attn_metadata
         )
+
+        forward_start = time.perf_counter()
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
-            hidden_states = self.model(
-                self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens]
-            )
+            hidden_states = self.model(self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens])
+        forward_s = time.perf_counter() - forward_start
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
         sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
         output = self._bookkeeping(sampler_output, discard_req_indices)
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
+        if self.step_timings is not None:
+            self.step_timings.append(StepTiming(
+                num_scheduled_tokens=num_tokens,
+                num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
+                execute_model_s=time.perf_counter() - start,
+                forward_s=forward_s,
+            ))
         return output
 
     def _sample(
@@ -426,10 +423,8 @@ class GPUModelRunner:
         are drafts); the rejection sampler then keeps a prefix of each request's drafts
         and decides what follows it.
         """
-        sampling_metadata = self._sampling_metadata_for_step(discard_req_indices)
+        sampling_metadata = self.input_batch.sampling_metadata_for_step(discard_req_indices)
         bonus_logits = logits if spec_decode_metadata is None else logits[spec_decode_metadata.bonus_logits_indices]
-        if self.min_tokens_req_ids:
-            self._apply_min_tokens(bonus_logits)
         sampler_output = self.sampler(bonus_logits, sampling_metadata)
         if spec_decode_metadata is not None:
             sampler_output.sampled_token_ids = self.rejection_sampler(
@@ -441,50 +436,20 @@ class GPUModelRunner:
         return sampler_output
 
     def _calc_spec_decode_metadata(self, scheduler_output: SchedulerOutput) -> SpecDecodeMetadata:
-        """Which logits rows verify which drafts; numpy over the batch, one loop over requests with drafts.
-
-        E.g. requests scheduled for [3, 1, 2] tokens with [2, 0, 1] drafts: a request
-        with k drafts needs logits at its last k + 1 tokens.
-            cu_num_tokens          [3, 4, 6]
-            logits_indices         [0, 1, 2, 3, 4, 5]   (flat token of each logits row)
-            target_logits_indices  [0, 1, 4]            (rows verifying a draft)
-            bonus_logits_indices   [2, 3, 5]            (rows after the last draft)
-            draft_token_ids        input_ids[[1, 2, 5]] (the token after each verifying row)
-        """
+        """Which logits rows verify which drafts (`calc_spec_decode_metadata`), for this step's batch."""
         input_batch = self.input_batch
-        num_reqs = input_batch.num_reqs
-        num_draft_tokens = np.zeros(num_reqs, dtype=np.int64)
+        num_draft_tokens = np.zeros(input_batch.num_reqs, dtype=np.int64)
         for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
             num_draft_tokens[input_batch.req_id_to_index[req_id]] = len(spec_token_ids)
-        cu_num_tokens = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
-        num_sampled_tokens = num_draft_tokens + 1
-        cu_num_sampled_tokens = np.cumsum(num_sampled_tokens)
-        logits_indices = np.repeat(cu_num_tokens - num_sampled_tokens, num_sampled_tokens) + segment_arange(
-            num_sampled_tokens
-        )
-        target_logits_indices = np.repeat(cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens) + segment_arange(
-            num_draft_tokens
-        )
-        draft_token_ids = self.input_ids.np[logits_indices[target_logits_indices] + 1]
-
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device)
-
-        return SpecDecodeMetadata(
-            draft_token_ids=to_device(draft_token_ids),
-            num_draft_tokens=num_draft_tokens,
-            cu_num_draft_tokens=np.cumsum(num_draft_tokens),
-            target_logits_indices=to_device(target_logits_indices),
-            bonus_logits_indices=to_device(cu_num_sampled_tokens - 1),
-            logits_indices=to_device(logits_indices),
-        )
+        cu_num_scheduled_tokens = self.query_start_loc.np[1 : input_batch.num_reqs + 1].astype(np.int64)
+        return calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.np, self.device)
 
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Next step's drafts, per row, from the tokens now in the persistent batch.
 
-        Requests that want logprobs, or may not stop yet (min_tokens), get none: their
-        drafts would need per-position logprobs and stop masks (vLLM excludes similar
-        settings, see vllm/v1/spec_decode/utils.py).
+        Requests that want logprobs, or min_tokens, get none: their drafts would need
+        per-position logprobs and stop masks (vLLM excludes similar settings, see
+        vllm/v1/spec_decode/utils.py).
         """
         input_batch = self.input_batch
         return self.drafter.propose(
@@ -492,7 +457,7 @@ class GPUModelRunner:
             input_batch.req_ids,
             input_batch.num_tokens,
             input_batch.token_ids_cpu,
-            input_batch.num_logprobs.keys() | self.min_tokens_req_ids,
+            input_batch.spec_decode_unsupported_reqs,
         )
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -504,30 +469,6 @@ class GPUModelRunner:
         return draft_token_ids
 
     # ------------------------------------------------------------------ CUDA graphs (chapter 08)
-    def _select_cudagraph(
-        self, common_attn_metadata: CommonAttentionMetadata
-    ) -> tuple[int, CUDAGraphMode, BatchDescriptor | None]:
-        """How this step runs: the token count to pad to, the graph mode, and the graph's key.
-
-        A pure decode batch (one query per request) may run as one FULL graph, if that
-        mode is on and its padded size still fits the per-request buffers; any batch up
-        to the largest capture size may run PIECEWISE; anything else runs without graphs,
-        unpadded.
-        """
-        config = self.compilation_config
-        num_tokens = common_attn_metadata.num_actual_tokens
-        num_reqs = common_attn_metadata.num_reqs
-        uniform_decode = common_attn_metadata.max_query_len == 1 and num_tokens == num_reqs
-        if num_tokens > config.max_capture_size:
-            return num_tokens, CUDAGraphMode.NONE, None
-        num_padded = config.pad_for_cudagraph(num_tokens)
-        mode = config.cudagraph_mode.decode_mode() if uniform_decode else config.cudagraph_mode.mixed_mode()
-        if mode == CUDAGraphMode.FULL and num_padded > self.max_num_reqs:
-            mode = config.cudagraph_mode.mixed_mode()
-        if mode == CUDAGraphMode.NONE:
-            return num_tokens, mode, None
-        return num_padded, mode, BatchDescriptor(num_padded, uniform_decode=mode == CUDAGraphMode.FULL)
-
     def _pad_for_full_graph(
         self, num_reqs: int, num_padded: int, max_seq_len: int
     ) -> CommonAttentionMetadata:
@@ -574,36 +515,30 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture every CUDA graph at start-up, largest size first, into one memory pool.
+        """Capture every CUDA graph the dispatcher has a key for, at start-up, into one memory pool.
 
         Each size runs once without graphs first, so that lazy work (cuBLAS workspaces,
         Triton compiles) is done before a capture, where it would be illegal.
         """
-        config = self.compilation_config
-        mode = config.cudagraph_mode
-        if mode == CUDAGraphMode.NONE:
+        keys = self.cudagraph_dispatcher.get_capture_descriptors()
+        if not keys:
             return
         from tqdm import tqdm
 
-        sizes = sorted(config.cudagraph_capture_sizes, reverse=True)
-        runs = []
-        if mode.mixed_mode() == CUDAGraphMode.PIECEWISE:
-            runs += [(size, CUDAGraphMode.PIECEWISE) for size in sizes]
-        if mode.has_full_cudagraphs():
-            runs += [(size, CUDAGraphMode.FULL) for size in sizes if size <= self.max_num_reqs]
         on_cuda = self.device.type == "cuda"
         free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
         start = time.perf_counter()
-        for num_tokens, runtime_mode in tqdm(runs, desc="Capturing CUDA graphs", disable=not on_cuda):
-            uniform_decode = runtime_mode == CUDAGraphMode.FULL
-            self._dummy_run(num_tokens, CUDAGraphMode.NONE, uniform_decode)  # warm-up
-            self._dummy_run(num_tokens, runtime_mode, uniform_decode)
+        for runtime_mode, key in tqdm(keys, desc="Capturing CUDA graphs", disable=not on_cuda):
+            self._dummy_run(key.num_tokens, CUDAGraphMode.NONE, key.uniform_decode)  # warm-up
+            self._dummy_run(key.num_tokens, runtime_mode, key.uniform_decode)
         if on_cuda:
             torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        sizes = sorted({key.num_tokens for _, key in keys})
         logger.info(
             "captured %d CUDA graphs (%s, sizes %d..%d) in %.2f s, using %.2f GiB",
-            len(runs), mode.name, sizes[-1], sizes[0], time.perf_counter() - start, used / 2**30,
+            len(keys), self.compilation_config.cudagraph_mode.name, sizes[0], sizes[-1],
+            time.perf_counter() - start, used / 2**30,
         )
 
     def _compute_cascade_attn_prefix_len(
@@ -639,34 +574,6 @@ class GPUModelRunner:
         )
         return common_prefix_len if use_cascade else 0
 
-    def _apply_min_tokens(self, logits: torch.Tensor) -> None:
-        """Forbid stop tokens (EOS included) for requests short of their `min_tokens`.
-
-        vLLM does this with a logits processor; the set of such requests is small and
-        shrinks as they pass their minimum, so a loop over it costs nothing in the common case.
-        """
-        req_id_to_index = self.input_batch.req_id_to_index
-        for req_id in list(self.min_tokens_req_ids):
-            req_state = self.requests[req_id]
-            params = req_state.sampling_params
-            if len(req_state.output_token_ids) >= params.min_tokens:
-                self.min_tokens_req_ids.discard(req_id)
-            elif req_id in req_id_to_index:
-                logits[req_id_to_index[req_id], list(params.all_stop_token_ids)] = float("-inf")
-
-    def _sampling_metadata_for_step(self, discard_req_indices: np.ndarray) -> SamplingMetadata:
-        """The batch's sampling metadata, minus the generators of rows whose sample is discarded.
-
-        A seeded request must draw from its generator only for tokens it keeps; otherwise
-        its output would depend on how its prompt was chunked.
-        """
-        metadata = self.input_batch.sampling_metadata
-        discarded = set(discard_req_indices.tolist())
-        if discarded.isdisjoint(metadata.generators):
-            return metadata
-        generators = {row: g for row, g in metadata.generators.items() if row not in discarded}
-        return dataclasses.replace(metadata, generators=generators)
-
     def _bookkeeping(
         self, sampler_output: SamplerOutput, discard_req_indices: np.ndarray
     ) -> ModelRunnerOutput:
@@ -692,28 +599,15 @@ class GPUModelRunner:
         kept = num_sampled > 0
         for i in np.flatnonzero(kept):
             self.requests[req_ids[i]].output_token_ids.extend(sampled_token_ids[i])
+        logprobs = None
+        if sampler_output.logprobs_tensors is not None:
+            num_logprobs = input_batch.num_logprobs
+            logprobs = sampler_output.logprobs_tensors.tolists(
+                [num_logprobs.get(req_id) if k else None for req_id, k in zip(req_ids, kept.tolist())]
+            )
         return ModelRunnerOutput(
             req_ids=list(req_ids),
             req_id_to_index=dict(input_batch.req_id_to_index),
             sampled_token_ids=sampled_token_ids,
-            logprobs=self._logprobs_lists(sampler_output, kept),
+            logprobs=logprobs,
         )
-
-    def _logprobs_lists(
-        self, sampler_output: SamplerOutput, kept: np.ndarray
-    ) -> list[list[dict[int, float]]] | None:
-        """Per request: [{token_id: logprob}] (sampled + its own top `logprobs`), or [] if not asked."""
-        tensors = sampler_output.logprobs_tensors
-        if tensors is None:
-            return None
-        token_ids = tensors.logprob_token_ids.tolist()
-        logprobs = tensors.logprobs.tolist()
-        result: list[list[dict[int, float]]] = []
-        for i, req_id in enumerate(self.input_batch.req_ids):
-            num_logprobs = self.input_batch.num_logprobs.get(req_id)
-            if num_logprobs is None or not kept[i]:
-                result.append([])
-            else:
-                width = 1 + num_logprobs
-                result.append([dict(zip(token_ids[i][:width], logprobs[i][:width]))])
-        return result

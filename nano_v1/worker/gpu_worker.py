@@ -15,9 +15,9 @@ import logging
 
 import torch
 
-from nano_v1.config import EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
-from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput, StepTiming
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger(__name__)
@@ -29,15 +29,15 @@ class Worker:
     """Call order: init_device, load_model, get_kv_cache_page_size / determine_available_memory,
     initialize_kv_cache, compile_or_warm_up_model, then execute_model once per step."""
 
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.engine_config = engine_config
-        self.cache_config = engine_config.cache_config
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.cache_config = vllm_config.cache_config
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
         self.init_free_memory = 0  # bytes free on the GPU before the model was loaded
 
     def init_device(self) -> None:
-        self.device = torch.device(self.engine_config.device_config.device)
+        self.device = torch.device(self.vllm_config.device_config.device)
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -51,8 +51,8 @@ class Worker:
                     f"{requested / GiB:.2f} GiB of {self.device}, but only {self.init_free_memory / GiB:.2f} GiB "
                     "is free: lower gpu_memory_utilization or free the GPU."
                 )
-        torch.manual_seed(self.engine_config.model_config.seed)
-        self.model_runner = GPUModelRunner(self.engine_config, self.device)
+        torch.manual_seed(self.vllm_config.model_config.seed)
+        self.model_runner = GPUModelRunner(self.vllm_config, self.device)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -109,3 +109,12 @@ class Worker:
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.model_runner.take_draft_token_ids()
+
+    def start_step_timing(self) -> None:
+        """Record a `StepTiming` for every step from now on (benchmarks call this by `collective_rpc`)."""
+        self.model_runner.step_timings = []
+
+    def stop_step_timing(self) -> list[StepTiming]:
+        """Stop recording; return the steps recorded since `start_step_timing`."""
+        timings, self.model_runner.step_timings = self.model_runner.step_timings or [], None
+        return timings

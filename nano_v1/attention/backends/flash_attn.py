@@ -1,15 +1,21 @@
-"""The attention backend: KV cache layout, per-step metadata, and the attention call itself.
+"""The FLASH_ATTN backend: KV cache layout, per-step metadata, cascade attention, the attention call.
 
 Mirrors vllm/v1/attention/backends/flash_attn.py (chapters 01, 06 and 07).
 
 Why it exists: vLLM separates *what* the model asks for (an `Attention` layer with heads
 and a scale) from *how* a backend computes it over a paged cache. A backend is three
-pieces: a static description (`FlashAttentionBackend`: the cache shape), a builder that
-turns the runner's `CommonAttentionMetadata` into the backend's own metadata once per step
-(`FlashAttentionMetadataBuilder`), and the per-layer implementation
-(`FlashAttentionImpl.forward`). The kernels are chosen by `attention_backend`: the
-plain-PyTorch reference (`nano_v1/attention/ops/reference.py`) or the Triton kernels of
-chapter 06, with the same signatures, so the two share every line here.
+pieces: a static description (`FlashAttentionBackend`: its name, the cache shape, its
+classes), a builder that turns the runner's `CommonAttentionMetadata` into the backend's
+own metadata once per step (`FlashAttentionMetadataBuilder`), and the per-layer
+implementation (`FlashAttentionImpl.forward`).
+
+FLASH_ATTN is vLLM's default backend on CUDA, and its builder holds the cascade rule
+(chapter 07). vLLM calls FlashAttention's varlen kernel here; nano_v1 has no binding to
+it and calls its own Triton unified-attention kernel (chapter 06), which keeps the same
+contract: a ragged batch over a paged cache, returning the log-sum-exp that cascade
+needs. The two other backends reuse these classes and change only what differs:
+TRITON_ATTN (`triton_attn.py`) never cascades, as in vLLM v0.11.0; TORCH_REFERENCE
+(`torch_reference.py`) swaps in the plain-PyTorch kernels and is the CPU path.
 
 Cascade attention (chapter 07): when every running request starts with the same cached
 blocks (a shared system prompt), attention splits into a pass of all queries over the
@@ -27,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nano_v1.attention.backends.utils import CommonAttentionMetadata
+from nano_v1.attention.backends.utils import AttentionCGSupport, CommonAttentionMetadata
 from nano_v1.attention.ops import reference
 
 # The SM count the cascade performance model assumes when there is no GPU to ask: an
@@ -37,42 +43,21 @@ CPU_NUM_SMS = 132
 
 @dataclass(frozen=True, slots=True)
 class AttentionOps:
-    """The kernels of one attention backend, all with the reference's signatures.
-
-    `plan_batch_split` is the reference's host-side plan (which requests are decodes),
-    made once per step; Triton's kernel plans on the device and has none.
-    """
+    """The kernels of one attention backend, all with the reference's signatures."""
 
     reshape_and_cache_flash: Callable[..., None]
     unified_attention: Callable[..., torch.Tensor | None]
     merge_attn_states: Callable[..., None]
-    plan_batch_split: Callable[..., reference.BatchSplit] | None
 
 
-def get_attention_ops(attention_backend: str) -> AttentionOps:
-    """The kernels for `attention_backend` ("torch" | "triton").
+def triton_attention_ops() -> AttentionOps:
+    """nano_v1's Triton kernels (chapter 06), imported only when a backend that calls them is
+    built, so nano_v1 runs without Triton."""
+    from nano_v1.attention.ops.triton_merge_attn_states import merge_attn_states
+    from nano_v1.attention.ops.triton_reshape_and_cache_flash import reshape_and_cache_flash
+    from nano_v1.attention.ops.triton_unified_attention import unified_attention
 
-    Triton is imported only here and only when chosen, so nano_v1 runs without it.
-    """
-    if attention_backend == "torch":
-        return AttentionOps(
-            reshape_and_cache_flash=reference.reshape_and_cache_flash,
-            unified_attention=reference.unified_attention,
-            merge_attn_states=reference.merge_attn_states,
-            plan_batch_split=reference.plan_batch_split,
-        )
-    if attention_backend == "triton":
-        from nano_v1.attention.ops.triton_merge_attn_states import merge_attn_states
-        from nano_v1.attention.ops.triton_reshape_and_cache_flash import reshape_and_cache_flash
-        from nano_v1.attention.ops.triton_unified_attention import unified_attention
-
-        return AttentionOps(
-            reshape_and_cache_flash=reshape_and_cache_flash,
-            unified_attention=unified_attention,
-            merge_attn_states=merge_attn_states,
-            plan_batch_split=None,
-        )
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}.")
+    return AttentionOps(reshape_and_cache_flash, unified_attention, merge_attn_states)
 
 
 def get_num_sms(device: torch.device) -> int:
@@ -80,6 +65,33 @@ def get_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_NUM_SMS
+
+
+class FlashAttentionBackend:
+    """Static facts about the backend: its name, its cache layout and its classes.
+
+    The model runner builds its metadata builder from `get_builder_cls()`, and each
+    `Attention` layer its implementation from `get_impl_cls()`, as in vLLM.
+    """
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, int, int, int, int]:
+        # Keys and values of one layer in one tensor; a block is `block_size` consecutive tokens.
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashAttentionImpl]:
+        return FlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
+        return FlashAttentionMetadataBuilder
 
 
 @dataclass(slots=True)
@@ -97,7 +109,6 @@ class FlashAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
-    ops: AttentionOps  # the chosen backend's kernels
     # Cascade attention (chapter 07): the first `common_prefix_len` tokens (whole blocks) of
     # every request are the same blocks. The prefix pass sees all tokens as one request
     # (`cu_prefix_query_lens` = [0, num_actual_tokens]) over `prefix_kv_lens` = [common_prefix_len];
@@ -109,7 +120,7 @@ class FlashAttentionMetadata:
     suffix_kv_lens: torch.Tensor | None  # [num_reqs] int32
     # The reference kernel's host-side plans (vLLM: FA3's scheduler_metadata), made once per
     # step: for the plain pass, or the suffix pass under cascade; and for the prefix pass.
-    # None with Triton.
+    # None with the Triton kernel, which plans on the device.
     batch_split: reference.BatchSplit | None
     prefix_batch_split: reference.BatchSplit | None
     causal: bool = True
@@ -118,9 +129,13 @@ class FlashAttentionMetadata:
 class FlashAttentionMetadataBuilder:
     """Turns the runner's `CommonAttentionMetadata` into `FlashAttentionMetadata`, once per step."""
 
-    def __init__(self, device: torch.device, attention_backend: str = "torch") -> None:
+    # The Triton kernel reads every per-step fact from device tensors: a graph can hold it.
+    cudagraph_support = AttentionCGSupport.ALWAYS
+    # A host-side plan of each step's batch, for kernels that need one (the reference's).
+    plan_batch_split: Callable[..., reference.BatchSplit] | None = None
+
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.ops = get_attention_ops(attention_backend)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata
@@ -130,7 +145,7 @@ class FlashAttentionMetadataBuilder:
         query_start_loc_cpu = m.query_start_loc_cpu[: num_reqs + 1]
         seq_lens_cpu = m.seq_lens_cpu[:num_reqs]
         use_cascade = common_prefix_len > 0
-        plan = self.ops.plan_batch_split
+        plan = self.plan_batch_split
         cu_prefix_query_lens = prefix_kv_lens = suffix_kv_lens = prefix_batch_split = None
         kv_lens_cpu = seq_lens_cpu  # what the plain pass, or the suffix pass, attends over
         if use_cascade:
@@ -150,7 +165,6 @@ class FlashAttentionMetadataBuilder:
             seq_lens=m.seq_lens[:num_reqs],
             block_table=m.block_table_tensor[:num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            ops=self.ops,
             use_cascade=use_cascade,
             common_prefix_len=common_prefix_len,
             cu_prefix_query_lens=cu_prefix_query_lens,
@@ -162,6 +176,7 @@ class FlashAttentionMetadataBuilder:
         )
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
+        """Whether this step should cascade: FLASH_ATTN asks vLLM's rule, `use_cascade_attention`."""
         return use_cascade_attention(*args, **kwargs)
 
 
@@ -184,6 +199,12 @@ class FlashAttentionImpl:
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.ops = self.get_attention_ops()
+
+    @staticmethod
+    def get_attention_ops() -> AttentionOps:
+        """The kernels this backend calls: Triton's, where vLLM calls FlashAttention's."""
+        return triton_attention_ops()
 
     def forward(
         self,
@@ -200,7 +221,7 @@ class FlashAttentionImpl:
             # taken as one causal sequence. Only the cost matters, not the values.
             return self._forward_without_cache(query, key, value, output)
         key_cache, value_cache = kv_cache.unbind(0)
-        ops = attn_metadata.ops
+        ops = self.ops
         ops.reshape_and_cache_flash(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         n = attn_metadata.num_actual_tokens
         if not attn_metadata.use_cascade:
@@ -250,33 +271,6 @@ class FlashAttentionImpl:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         output.copy_(o.transpose(0, 1))  # [num_tokens, num_heads, head_size]
         return output
-
-
-class FlashAttentionBackend:
-    """Static facts about the backend: its cache layout and its classes."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASH_ATTN"
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, int, int, int, int]:
-        # Keys and values of one layer in one tensor; a block is `block_size` consecutive tokens.
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_impl_cls() -> type[FlashAttentionImpl]:
-        return FlashAttentionImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[FlashAttentionMetadata]:
-        return FlashAttentionMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
-        return FlashAttentionMetadataBuilder
 
 
 def use_cascade_attention(

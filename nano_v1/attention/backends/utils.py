@@ -1,6 +1,7 @@
 """Attention metadata shared by every backend, built once per step by the model runner.
 
-Mirrors vllm/v1/attention/backends/utils.py (`CommonAttentionMetadata`) (chapter 06).
+Mirrors vllm/v1/attention/backends/utils.py (`CommonAttentionMetadata`, `AttentionCGSupport`)
+(chapters 06 and 08).
 
 Why it exists: an attention kernel over a ragged, paged batch needs only a handful of
 tensors: where each request's queries start, how long each request's context is, which
@@ -10,6 +11,7 @@ these once per step; each backend's builder turns them into its own metadata.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -36,3 +38,17 @@ class CommonAttentionMetadata:
     block_table_tensor: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64: cache slot of each new token
     causal: bool = True
+
+
+class AttentionCGSupport(enum.Enum):
+    """How much of an attention backend a CUDA graph can capture (vLLM's enum of the same name).
+
+    A graph replays fixed kernels on fixed addresses, so a backend qualifies only if it
+    reads every per-step fact from device buffers, with no host-side planning per step.
+    nano_v1's FULL graphs are pure decode steps, so UNIFORM_SINGLE_TOKEN_DECODE suffices.
+    """
+
+    NEVER = 0  # plans on the host every step (the reference)
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # batches of one-token decodes only
+    UNIFORM_BATCH = 2  # batches whose requests all have the same query length
+    ALWAYS = 3  # any batch, prefills and decodes mixed

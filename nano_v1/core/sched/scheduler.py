@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nano_v1.config import EngineConfig
+from nano_v1.config import VllmConfig
 from nano_v1.core.kv_cache_manager import KVCacheManager
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.request_queue import create_request_queue
@@ -37,13 +37,13 @@ from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
-    def __init__(self, engine_config: EngineConfig) -> None:
-        scheduler_config = engine_config.scheduler_config
-        cache_config = engine_config.cache_config
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        scheduler_config = vllm_config.scheduler_config
+        cache_config = vllm_config.cache_config
         assert cache_config.num_gpu_blocks is not None, "size the KV cache before building the scheduler"
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
-        self.max_model_len = scheduler_config.max_model_len
+        self.max_model_len = vllm_config.model_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.policy = scheduler_config.policy
@@ -52,7 +52,7 @@ class Scheduler:
         # step. N-gram drafts are known when the step is scheduled and are scheduled like
         # any token, so they need no lookahead slots; vLLM reserves those only for
         # proposers that write KV for drafts of their own during the step (EAGLE).
-        speculative_config = engine_config.speculative_config
+        speculative_config = vllm_config.speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.num_lookahead_tokens = 0
 

@@ -29,8 +29,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nano_v1.config import EngineArgs
 from nano_v1.engine import EngineDeadError
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
 from nano_v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -256,7 +256,7 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.state.engine_client = engine
     app.state.served_model_name = served_model_name
-    app.state.max_model_len = engine.engine_config.model_config.max_model_len
+    app.state.max_model_len = engine.vllm_config.model_config.max_model_len
     return app
 
 

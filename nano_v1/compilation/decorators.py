@@ -1,0 +1,52 @@
+"""Compile a model's forward once, with the token count symbolic, through the piecewise backend.
+
+Mirrors vllm/compilation/decorators.py (`support_torch_compile`) (chapter 08).
+
+Why it exists: vLLM marks each model class with `@support_torch_compile`, which compiles
+its `forward` on first call with dimension 0 (the tokens) dynamic. nano_v1's models stay
+plain `nn.Module`s, and the model runner calls `compile_forward` once after loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from nano_v1.compilation.backends import VllmBackend
+from nano_v1.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def compile_forward(
+    model: nn.Module, backend: VllmBackend, input_ids: torch.Tensor, positions: torch.Tensor,
+    attn_layers: dict[str, nn.Module],
+) -> None:
+    """Replace `model.forward` by its compiled version and trace it once on `input_ids`, `positions`.
+
+    `mark_dynamic` makes dimension 0 of the inputs a symbol instead of a constant. Dynamo
+    then guards the graph with facts about that symbol it relied on while tracing (for
+    example "not 1", from a reshape), and would trace again for a 1-token step; those
+    shape guards are dropped, as vLLM skips guards altogether: the graph's ops work at any
+    token count. The inputs should be slices of the buffers every later step slices too.
+    """
+    model.forward = torch.compile(
+        model.forward,
+        backend=backend,
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": lambda guards: [g.guard_type != "SHAPE_ENV" for g in guards]},
+    )
+    torch._dynamo.mark_dynamic(input_ids, 0)
+    torch._dynamo.mark_dynamic(positions, 0)
+    start = time.perf_counter()
+    with set_forward_context(None, attn_layers):
+        model(input_ids, positions)
+    logger.info(
+        "torch.compile: traced once and split into %d pieces in %.2f s",
+        len(backend.piecewise_graphs), time.perf_counter() - start,
+    )

@@ -1,0 +1,134 @@
+"""Which checkpoint, in which dtype, for how long a context, through which attention backend.
+
+Mirrors vllm/config/model.py (`ModelConfig`) (chapter 01).
+
+Why it exists: everything the engine needs to know about the model comes from the
+checkpoint directory's `config.json`, read once here; the rest of the engine asks this
+object (`get_num_kv_heads()`, `max_model_len`) instead of the Hugging Face config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+# vLLM v0.11.0's backend names (vllm/platforms/interface.py::_Backend) for the two kernels
+# nano_v1 has, plus its plain-PyTorch reference (chapter 06).
+ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "TORCH_REFERENCE")
+
+
+def default_model() -> str:
+    """The bundled demo checkpoint, used when no model is given."""
+    from nano_v1.demo_model import DEMO_MODEL_PATH
+
+    return str(DEMO_MODEL_PATH)
+
+
+@dataclass
+class ModelConfig:
+    """The model: a local Hugging Face checkpoint directory and how to run it."""
+
+    model: str = field(default_factory=default_model)
+    """A local checkpoint directory (config.json + *.safetensors); default: the bundled demo model."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the model's."""
+    dtype: str | torch.dtype = "auto"
+    """Weights and activations: auto (the checkpoint's), float32, float16 or bfloat16."""
+    seed: int = 0
+    """Seed of the global RNG (sampled requests without a seed of their own)."""
+    max_model_len: int | None = None
+    """Longest context, prompt plus output, in tokens; default: the model's max_position_embeddings."""
+    load_format: str = "auto"
+    """auto or safetensors (the checkpoint's weights), or dummy (random weights of the checkpoint's shapes).
+    vLLM keeps this in LoadConfig."""
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile, no CUDA graphs (chapter 08)."""
+    attention_backend: str | None = None
+    """FLASH_ATTN, TRITON_ATTN or TORCH_REFERENCE; default: $VLLM_ATTENTION_BACKEND, else
+    FLASH_ATTN on CUDA and TORCH_REFERENCE on the CPU (chapter 06)."""
+    disable_cascade_attn: bool = False
+    """Never run cascade attention over a shared prefix, even where the model says it pays (chapter 07)."""
+    hf_config: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.model = str(self.model)
+        config_path = Path(self.model) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(
+                f"model {self.model!r} is not a local checkpoint directory (no config.json there). "
+                "nano_v1 never downloads: pass the path of a directory written by save_pretrained."
+            )
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+        archs = raw.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"model {self.model!r} has architectures {archs}; nano_v1 supports "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}."
+            )
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}."
+            )
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.tokenizer = self.tokenizer or self.model
+        self.dtype = self._resolve_dtype(self.dtype)
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
+            raise ValueError(
+                f"max_model_len must be a positive integer <= the model's max_position_embeddings "
+                f"({limit}), got {self.max_model_len!r}."
+            )
+
+    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            # Like vLLM: the checkpoint's dtype, but float32 checkpoints stay float32.
+            name = str(getattr(self.hf_config, "dtype", None) or "float32")
+            return _DTYPES.get(name.replace("torch.", ""), torch.float32)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
+        return _DTYPES[dtype]
+
+    # Shape accessors, named as in vLLM's ModelConfig.
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    def get_num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    def get_num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    def get_num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    def get_head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads

@@ -1,0 +1,61 @@
+"""The one token budget and its companions.
+
+Mirrors vllm/config/scheduler.py (`SchedulerConfig`) (chapter 04).
+
+vLLM's SchedulerConfig also carries a copy of `max_model_len` ("that value should be
+manually duplicated here", its docstring says); nano_v1 keeps it only in `ModelConfig`,
+and the scheduler reads it from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nano_v1.config.utils import check_positive_int
+
+# The token budget when none is given (vLLM: vllm/utils/__init__.py::DEFAULT_MAX_NUM_BATCHED_TOKENS).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class SchedulerConfig:
+    """What one step may hold: tokens, requests, and how prompts are split."""
+
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; default: 8192, or max_model_len if larger and chunked prefill is off."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps, sharing each step's budget with decodes."""
+    long_prefill_token_threshold: int = 0
+    """Cap on the tokens one request may take in a step; 0 means no cap beyond the budget."""
+    policy: str = "fcfs"
+    """Order of the waiting queue, and of preemption: fcfs or priority."""
+
+    def __post_init__(self) -> None:
+        check_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if not (isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0):
+            raise ValueError(
+                f"long_prefill_token_threshold must be a non-negative integer, "
+                f"got {self.long_prefill_token_threshold!r}."
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+
+    def resolve(self, max_model_len: int) -> None:
+        """Fill the budget's default and check it against the model's context (vLLM: __post_init__)."""
+        if self.max_num_batched_tokens is None:
+            # With chunked prefill a long prompt is split, so the budget can be smaller than a
+            # context; without it, the whole prompt must fit into one step.
+            self.max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS
+                if self.enable_chunked_prefill
+                else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill disabled: long prompts could never be scheduled."
+            )
