@@ -23,7 +23,10 @@ logger = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def compile_forward(
-    model: nn.Module, backend: VllmBackend, input_ids: torch.Tensor, positions: torch.Tensor,
+    model: nn.Module,
+    backend: VllmBackend,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
     attn_layers: dict[str, nn.Module],
 ) -> None:
     """Replace `model.forward` by its compiled version and trace it once on `input_ids`, `positions`.
@@ -48,5 +51,6 @@ def compile_forward(
         model(input_ids, positions)
     logger.info(
         "torch.compile: traced once and split into %d pieces in %.2f s",
-        len(backend.piecewise_graphs), time.perf_counter() - start,
+        len(backend.piecewise_graphs),
+        time.perf_counter() - start,
     )

@@ -30,7 +30,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_positive_int("block_size", self.block_size)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."
+            )
         if self.num_gpu_blocks_override is not None:
             check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
         check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)

@@ -117,7 +117,9 @@ class CompilationConfig:
             f"compilation_config must be a CompilationConfig, a dict or an int level, got {value!r}."
         )
 
-    def resolve(self, device: str, enforce_eager: bool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def resolve(
+        self, device: str, enforce_eager: bool, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
         """Fill the unset fields and check the combination (vLLM: VllmConfig.__post_init__).
 
         Whether the attention backend can run inside a FULL graph is checked later, by the

@@ -83,7 +83,9 @@ class ModelConfig:
                 f"{sorted(SUPPORTED_ARCHITECTURES)}."
             )
         if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
+            raise ValueError(
+                f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}."
+            )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}."

@@ -36,7 +36,9 @@ class SchedulerConfig:
         check_positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if not (isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0):
+        if not (
+            isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0
+        ):
             raise ValueError(
                 f"long_prefill_token_threshold must be a non-negative integer, "
                 f"got {self.long_prefill_token_threshold!r}."

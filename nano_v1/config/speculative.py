@@ -28,7 +28,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
-            raise ValueError(f"speculative_config method must be 'ngram' (the only proposer here), got {self.method!r}.")
+            raise ValueError(
+                f"speculative_config method must be 'ngram' (the only proposer here), got {self.method!r}."
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value > 0):

@@ -32,8 +32,8 @@ def get_field(cls: type, name: str) -> Field:
 def get_attr_docs(cls: type) -> dict[str, str]:
     """Field name -> the docstring written right under it in the class body (first paragraph).
 
-        block_size: int = 16
-        \"\"\"Tokens per KV cache block.\"\"\"      -> {"block_size": "Tokens per KV cache block."}
+    block_size: int = 16
+    \"\"\"Tokens per KV cache block.\"\"\"      -> {"block_size": "Tokens per KV cache block."}
     """
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # the class's statements
@@ -46,7 +46,9 @@ def get_attr_docs(cls: type) -> dict[str, str]:
             and isinstance(following.value, ast.Constant)
             and isinstance(following.value.value, str)
         ):
-            docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split("\n\n")[0].split())
+            docs[statement.target.id] = " ".join(
+                inspect.cleandoc(following.value.value).split("\n\n")[0].split()
+            )
     return docs
 
 

@@ -86,7 +86,9 @@ class EngineArgs:
                 help_text = docs.get(_CONFIG_FIELD.get(name, name), _WHOLE_CONFIG_HELP.get(name))
                 hint = hints[name]
                 if hint is bool:
-                    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+                    group.add_argument(
+                        flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                    )
                 else:
                     base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
                     kind = base if base in (int, float) else str
@@ -137,16 +139,44 @@ class EngineArgs:
 
 # The CLI's groups: (title, the config whose docstrings give the help, EngineArgs fields).
 _CLI_GROUPS: list[tuple[str, type, list[str]]] = [
-    ("model (ModelConfig)", ModelConfig,
-     ["model", "tokenizer", "dtype", "seed", "max_model_len", "load_format", "enforce_eager",
-      "attention_backend", "disable_cascade_attn"]),
+    (
+        "model (ModelConfig)",
+        ModelConfig,
+        [
+            "model",
+            "tokenizer",
+            "dtype",
+            "seed",
+            "max_model_len",
+            "load_format",
+            "enforce_eager",
+            "attention_backend",
+            "disable_cascade_attn",
+        ],
+    ),
     ("device (DeviceConfig)", DeviceConfig, ["device"]),
-    ("KV cache (CacheConfig)", CacheConfig,
-     ["block_size", "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-      "enable_prefix_caching"]),
-    ("scheduler (SchedulerConfig)", SchedulerConfig,
-     ["max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-      "scheduling_policy"]),
+    (
+        "KV cache (CacheConfig)",
+        CacheConfig,
+        [
+            "block_size",
+            "gpu_memory_utilization",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+            "enable_prefix_caching",
+        ],
+    ),
+    (
+        "scheduler (SchedulerConfig)",
+        SchedulerConfig,
+        [
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "enable_chunked_prefill",
+            "long_prefill_token_threshold",
+            "scheduling_policy",
+        ],
+    ),
     ("compilation and speculative decoding", EngineArgs, ["compilation_config", "speculative_config"]),
 ]
 # Engine-argument names that differ from their config field (vLLM's too).

@@ -68,12 +68,12 @@ def calc_spec_decode_metadata(
     """
     num_sampled_tokens = num_draft_tokens + 1
     cu_num_sampled_tokens = np.cumsum(num_sampled_tokens)
-    logits_indices = np.repeat(cu_num_scheduled_tokens - num_sampled_tokens, num_sampled_tokens) + segment_arange(
-        num_sampled_tokens
-    )
-    target_logits_indices = np.repeat(cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens) + segment_arange(
-        num_draft_tokens
-    )
+    logits_indices = np.repeat(
+        cu_num_scheduled_tokens - num_sampled_tokens, num_sampled_tokens
+    ) + segment_arange(num_sampled_tokens)
+    target_logits_indices = np.repeat(
+        cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens
+    ) + segment_arange(num_draft_tokens)
     draft_token_ids = input_ids[logits_indices[target_logits_indices] + 1]
 
     def to_device(array: np.ndarray) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nano_v1.core.sched.output import NewRequestData
 from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MinTokensLogitsProcessor
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sampling_params import SamplingParams
@@ -38,6 +39,24 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int]
+
+    @classmethod
+    def from_new_request(cls, new_req: NewRequestData, device: torch.device) -> CachedRequestState:
+        """The state of a request the scheduler sends for the first time; seeded requests get a generator."""
+        params = new_req.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(
+            req_id=new_req.req_id,
+            prompt_token_ids=new_req.prompt_token_ids,
+            sampling_params=params,
+            generator=generator,
+            block_ids=list(new_req.block_ids),
+            num_computed_tokens=new_req.num_computed_tokens,
+            output_token_ids=[],
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -134,11 +134,19 @@ class GPUModelRunner:
         """
         config = self.compilation_config
         mode = config.cudagraph_mode
-        if mode.has_full_cudagraphs() and self.attn_metadata_builder.cudagraph_support == AttentionCGSupport.NEVER:
-            fallback = CUDAGraphMode.PIECEWISE if config.level == CompilationLevel.PIECEWISE else CUDAGraphMode.NONE
+        if (
+            mode.has_full_cudagraphs()
+            and self.attn_metadata_builder.cudagraph_support == AttentionCGSupport.NEVER
+        ):
+            fallback = (
+                CUDAGraphMode.PIECEWISE if config.level == CompilationLevel.PIECEWISE else CUDAGraphMode.NONE
+            )
             logger.warning(
                 "cudagraph_mode=%s needs an attention backend a CUDA graph can capture, and %s cannot be: "
-                "using %s", mode.name, self.attn_backend.get_name(), fallback.name,
+                "using %s",
+                mode.name,
+                self.attn_backend.get_name(),
+                fallback.name,
             )
             config.cudagraph_mode = mode = fallback
         self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
@@ -150,20 +158,25 @@ class GPUModelRunner:
             self.graph_pool = GraphPool.create(self.device)
         if self.compilation_config.level == CompilationLevel.PIECEWISE:
             # Dynamo traces the model once and the piecewise backend splits it at attention.
-            self.compile_backend = VllmBackend(self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls)
+            self.compile_backend = VllmBackend(
+                self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls
+            )
             num_tokens = min(self.max_num_tokens, 16)
-            compile_forward(self.model, self.compile_backend, self.input_ids.gpu[:num_tokens],
-                            self.positions.gpu[:num_tokens], self.attn_layers)
+            compile_forward(
+                self.model,
+                self.compile_backend,
+                self.input_ids.gpu[:num_tokens],
+                self.positions.gpu[:num_tokens],
+                self.attn_layers,
+            )
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
             # The whole forward pass, attention included, as one graph per size.
             self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        model_config = self.model_config
         return self.attn_backend.get_kv_cache_shape(
-            num_blocks,
-            self.block_size,
-            self.model_config.get_num_kv_heads(),
-            self.model_config.get_head_size(),
+            num_blocks, self.block_size, model_config.get_num_kv_heads(), model_config.get_head_size()
         )
 
     def get_kv_cache_page_size(self) -> int:
@@ -235,21 +248,9 @@ class GPUModelRunner:
 
         reqs_to_add: list[CachedRequestState] = []
         for new_req in scheduler_output.scheduled_new_reqs:
-            params = new_req.sampling_params
-            generator = None
-            if params.seed is not None and not params.greedy:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-            req_state = CachedRequestState(
-                req_id=new_req.req_id,
-                prompt_token_ids=new_req.prompt_token_ids,
-                sampling_params=params,
-                generator=generator,
-                block_ids=list(new_req.block_ids),
-                num_computed_tokens=new_req.num_computed_tokens,
-                output_token_ids=[],
+            req_state = self.requests[new_req.req_id] = CachedRequestState.from_new_request(
+                new_req, self.device
             )
-            self.requests[new_req.req_id] = req_state
             reqs_to_add.append(req_state)
 
         cached = scheduler_output.scheduled_cached_reqs
@@ -378,12 +379,16 @@ class GPUModelRunner:
 
         num_tokens, num_reqs = common_attn_metadata.num_actual_tokens, common_attn_metadata.num_reqs
         uniform_decode = common_attn_metadata.max_query_len == 1 and num_tokens == num_reqs
-        cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(num_tokens, uniform_decode)
+        cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
+            num_tokens, uniform_decode
+        )
         num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
         common_prefix_len = 0
         if cudagraph_runtime_mode == CUDAGraphMode.FULL:
             # The FULL graph captured plain attention, so a graphed step never cascades.
-            common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, common_attn_metadata.max_seq_len)
+            common_attn_metadata = self._pad_for_full_graph(
+                num_reqs, num_input_tokens, common_attn_metadata.max_seq_len
+            )
         elif self.cascade_attn_enabled:
             common_prefix_len = self._compute_cascade_attn_prefix_len(
                 np.diff(common_attn_metadata.query_start_loc_cpu.numpy()),
@@ -395,7 +400,9 @@ class GPUModelRunner:
 
         forward_start = time.perf_counter()
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
-            hidden_states = self.model(self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens])
+            hidden_states = self.model(
+                self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens]
+            )
         forward_s = time.perf_counter() - forward_start
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
         sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
@@ -403,12 +410,14 @@ class GPUModelRunner:
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
         if self.step_timings is not None:
-            self.step_timings.append(StepTiming(
-                num_scheduled_tokens=num_tokens,
-                num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
-                execute_model_s=time.perf_counter() - start,
-                forward_s=forward_s,
-            ))
+            self.step_timings.append(
+                StepTiming(
+                    num_scheduled_tokens=num_tokens,
+                    num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
+                    execute_model_s=time.perf_counter() - start,
+                    forward_s=forward_s,
+                )
+            )
         return output
 
     def _sample(
@@ -424,7 +433,9 @@ class GPUModelRunner:
         and decides what follows it.
         """
         sampling_metadata = self.input_batch.sampling_metadata_for_step(discard_req_indices)
-        bonus_logits = logits if spec_decode_metadata is None else logits[spec_decode_metadata.bonus_logits_indices]
+        bonus_logits = (
+            logits if spec_decode_metadata is None else logits[spec_decode_metadata.bonus_logits_indices]
+        )
         sampler_output = self.sampler(bonus_logits, sampling_metadata)
         if spec_decode_metadata is not None:
             sampler_output.sampled_token_ids = self.rejection_sampler(
@@ -442,7 +453,9 @@ class GPUModelRunner:
         for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
             num_draft_tokens[input_batch.req_id_to_index[req_id]] = len(spec_token_ids)
         cu_num_scheduled_tokens = self.query_start_loc.np[1 : input_batch.num_reqs + 1].astype(np.int64)
-        return calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.np, self.device)
+        return calc_spec_decode_metadata(
+            num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.np, self.device
+        )
 
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Next step's drafts, per row, from the tokens now in the persistent batch.
@@ -537,8 +550,12 @@ class GPUModelRunner:
         sizes = sorted({key.num_tokens for _, key in keys})
         logger.info(
             "captured %d CUDA graphs (%s, sizes %d..%d) in %.2f s, using %.2f GiB",
-            len(keys), self.compilation_config.cudagraph_mode.name, sizes[0], sizes[-1],
-            time.perf_counter() - start, used / 2**30,
+            len(keys),
+            self.compilation_config.cudagraph_mode.name,
+            sizes[0],
+            sizes[-1],
+            time.perf_counter() - start,
+            used / 2**30,
         )
 
     def _compute_cascade_attn_prefix_len(
@@ -588,7 +605,9 @@ class GPUModelRunner:
         sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs, 1 + max_spec_len]
         num_sampled = (sampled_np != PLACEHOLDER_TOKEN_ID).sum(axis=1)
         num_sampled[discard_req_indices] = 0
-        sampled_token_ids: list[list[int]] = [row[:n] for row, n in zip(sampled_np.tolist(), num_sampled.tolist())]
+        sampled_token_ids: list[list[int]] = [
+            row[:n] for row, n in zip(sampled_np.tolist(), num_sampled.tolist())
+        ]
         # One scatter for the whole batch: row r's tokens go after its num_tokens[r] known ones.
         rows = np.repeat(np.arange(len(req_ids)), num_sampled)
         offsets = segment_arange(num_sampled)

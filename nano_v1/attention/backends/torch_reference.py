@@ -21,7 +21,9 @@ from nano_v1.attention.backends.flash_attn import (
 from nano_v1.attention.backends.utils import AttentionCGSupport
 from nano_v1.attention.ops import reference
 
-REFERENCE_OPS = AttentionOps(reference.reshape_and_cache_flash, reference.unified_attention, reference.merge_attn_states)
+REFERENCE_OPS = AttentionOps(
+    reference.reshape_and_cache_flash, reference.unified_attention, reference.merge_attn_states
+)
 
 
 class TorchReferenceMetadataBuilder(FlashAttentionMetadataBuilder):

@@ -35,7 +35,11 @@ class MinTokensLogitsProcessor(LogitsProcessor):
             for row, params, output_token_ids in batch_update.added:
                 changed |= self.min_toks.pop(row, None) is not None
                 if len(output_token_ids) < params.min_tokens and params.all_stop_token_ids:
-                    self.min_toks[row] = (params.min_tokens, output_token_ids, frozenset(params.all_stop_token_ids))
+                    self.min_toks[row] = (
+                        params.min_tokens,
+                        output_token_ids,
+                        frozenset(params.all_stop_token_ids),
+                    )
                     changed = True
             for src, tgt in batch_update.moved:
                 entry = self.min_toks.pop(src, None)
