@@ -8,7 +8,7 @@ Mirrors two vLLM files (chapters 01 and 04):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 # ---------------------------------------------------------------- worker side (vllm/v1/outputs.py)
@@ -81,4 +81,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)

@@ -75,8 +75,9 @@ class Request:
         # Draft tokens proposed for the next step (speculative decoding, chapter 10).
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
-        # Prompt tokens served from the prefix cache on first admission; -1 until then.
-        self.num_cached_tokens = -1
+        # Prompt tokens served from the prefix cache on first admission; None until then
+        # (an admitted request, the only kind that has outputs, always has a count).
+        self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
 
         # Hashes of the request's full blocks, extended as tokens arrive (chapter 03).

@@ -12,13 +12,12 @@ drafts (right or wrong) and verifies them exactly, as speculative decoding does 
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
+from conftest import make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
@@ -128,27 +127,6 @@ class FakeModelRunner:
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         draft_token_ids, self.draft_token_ids = self.draft_token_ids, None
         return draft_token_ids
-
-
-def make_scheduler(
-    num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs", num_spec_tokens=0
-):
-    config = VllmConfig.__new__(VllmConfig)
-    config.cache_config = CacheConfig(
-        block_size=block_size, enable_prefix_caching=caching, num_gpu_blocks=num_blocks
-    )
-    config.scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_seqs,
-        enable_chunked_prefill=chunked,
-        policy=policy,
-    )
-    # The scheduler reads only max_model_len from the model's config: no checkpoint needed.
-    config.model_config = types.SimpleNamespace(max_model_len=max_model_len)
-    config.device_config = DeviceConfig("cpu")
-    if num_spec_tokens:
-        config.speculative_config = SpeculativeConfig(num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1)
-    return Scheduler(config)
 
 
 def check_kv_invariants(sched: Scheduler) -> None:

@@ -15,7 +15,8 @@ nothing to undo.
 from __future__ import annotations
 
 from nano_v1.core.block_pool import BlockPool
-from nano_v1.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
+from nano_v1.core.kv_cache_utils import KVCacheBlock
+from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 
 
@@ -54,12 +55,28 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup: its `num_tokens` queried, `num_hit_tokens` hit.
+
+        The scheduler calls this once the request's `allocate_slots` succeeded, not at
+        `get_computed_blocks`: a request that fails to allocate stays waiting and looks
+        up again next step, and vLLM v0.11.0, which counts in `get_computed_blocks`,
+        counts it once per attempt (vllm-project/vllm#43736). A request resumed after
+        preemption is admitted, and counted, again, as in v0.11.0: it looks up its
+        prompt and its outputs so far. Nothing is counted with caching off (no lookup).
+        """
+        if not self.enable_caching:
+            return
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks matching the request's prefix.
 
-        Returns (blocks, number of tokens they hold). Takes no reference: the scheduler
-        may still fail to allocate the rest of the request, and then nothing must have
-        changed. It passes both values to `allocate_slots`, which touches the blocks.
+        Returns (blocks, number of tokens they hold). Changes nothing, not even the
+        statistics: the scheduler may still fail to allocate the rest of the request.
+        It passes both values to `allocate_slots`, which touches the blocks.
 
         At most num_tokens - 1 tokens can hit: the model must run on at least the last
         prompt token to produce the logits the first output token is sampled from. The
@@ -79,10 +96,6 @@ class KVCacheManager:
             computed_blocks.append(block)
         num_computed_tokens = len(computed_blocks) * self.block_size
         # END TASK
-
-        self.prefix_cache_stats.requests += 1
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_computed_tokens
         return computed_blocks, num_computed_tokens
 
     def allocate_slots(
@@ -188,10 +201,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (and nothing done) while requests hold blocks."""
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
+        return self.block_pool.reset_prefix_cache()
 
     def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> int:
         """How many leading blocks every running request shares (for cascade attention, chapter 07).

@@ -1,7 +1,6 @@
 """KV cache building blocks: the block record, the O(1) free queue, and block hashing.
 
-Mirrors vllm/v1/core/kv_cache_utils.py (chapters 02 and 03); `PrefixCacheStats`
-mirrors vllm/v1/metrics/stats.py.
+Mirrors vllm/v1/core/kv_cache_utils.py (chapters 02 and 03).
 
 Why it exists: the paged KV cache is a pool of fixed-size blocks. The pool needs a
 record per block (`KVCacheBlock`), an ordering of the free blocks that doubles as the
@@ -227,21 +226,3 @@ class RequestBlockHasher:
 def get_request_block_hasher(block_size: int) -> RequestBlockHasher:
     """The hasher a `Request` uses for its full blocks (vLLM's name for the factory)."""
     return RequestBlockHasher(block_size)
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since the last `KVCacheManager.make_prefix_cache_stats()`."""
-
-    # True if reset_prefix_cache() succeeded in this interval.
-    reset: bool = False
-    # Requests that looked up the cache.
-    requests: int = 0
-    # Tokens looked up (each request's num_tokens at lookup).
-    queries: int = 0
-    # Of those, tokens served from the cache.
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0

@@ -50,10 +50,6 @@ class AsyncLLM:
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
         return cls(engine_args.create_engine_config())
 
-    @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -40,8 +40,10 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_metrics(self) -> list[Metric]:
-        """A snapshot of the engine's counters since it started, e.g. speculative decoding's
-        `vllm:spec_decode_num_accepted_tokens` (see nano_v1/metrics/reader.py)."""
+        """A snapshot of the engine's counters since it started, under vLLM's names:
+        `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens), and with
+        speculative decoding `vllm:spec_decode_num_accepted_tokens` and the rest (see
+        nano_v1/metrics/reader.py)."""
         return self.llm_engine.get_metrics()
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:

@@ -121,28 +121,19 @@ class Scheduler:
 
         # Pass 1: RUNNING requests, in order. Each wants to close the gap between its
         # computed tokens and its known tokens (1 for a decode, more for a chunked prompt).
-        # (Hot loop: one iteration per running request per step, so attributes are hoisted.)
-        allocate_slots = self.kv_cache_manager.allocate_slots
-        threshold = self.long_prefill_token_threshold
-        max_position = self.max_model_len - 1
-        num_lookahead_tokens = self.num_lookahead_tokens
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_computed = request.num_computed_tokens
-            # BEGIN TASK ch04_t2: tokens to schedule: the gap, capped by threshold, budget, max_model_len - 1
-            num_new_tokens = request.num_tokens_with_spec - num_computed
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            # Never compute a position past the context window (drafts could push it there).
-            num_new_tokens = min(num_new_tokens, token_budget, max_position - num_computed)
-            # END TASK
+            num_new_tokens = min(self._get_num_new_tokens(request, num_computed), token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
 
             while True:
-                new_blocks = allocate_slots(request, num_new_tokens, 0, None, num_lookahead_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 # Out of KV blocks: preempt the lowest-priority running request, which
@@ -182,9 +173,7 @@ class Scheduler:
                 # A new request (or one preempted earlier, which restarts from zero) first
                 # looks for its prompt's leading full blocks in the prefix cache.
                 new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                    num_new_tokens = self.long_prefill_token_threshold
+                num_new_tokens = self._get_num_new_tokens(request, num_computed_tokens)
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                     break  # the whole prompt must fit into one step; wait for a roomier one
                 num_new_tokens = min(num_new_tokens, token_budget)
@@ -198,6 +187,7 @@ class Scheduler:
                 if new_blocks is None:
                     break  # the cache is full; the head of the queue waits (FCFS)
 
+                self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
                 self.waiting.pop_request()
                 self.running.append(request)
                 if request.status == RequestStatus.PREEMPTED:
@@ -209,7 +199,7 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
-                if request.num_cached_tokens < 0:
+                if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_computed_tokens
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -241,6 +231,27 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return scheduler_output
+
+    def _get_num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens `request` computes this step from `num_computed_tokens` on, before the budget.
+
+        Each pass cuts the answer to the budget left itself: without chunked prefill the
+        waiting pass first checks the uncut count against the budget (vLLM v0.11.0's
+        order: threshold, whole-prompt check, budget). A waiting request has no drafts
+        (`_preempt` clears them) and at most max_model_len - 1 tokens (the Processor
+        rejects longer prompts, `check_stop` finishes a request at max_model_len), so the
+        context cap never binds for it; v0.11.0 applies that cap in the running pass only.
+        """
+        # BEGIN TASK ch04_t2: the tokens it lacks (drafts too), capped by the prefill threshold and context
+        num_new_tokens = request.num_tokens_with_spec - num_computed_tokens
+        # One long prompt must not take every step's whole budget (0: no threshold).
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        # Leave room for the token sampled after them: its position must stay below
+        # max_model_len (drafts could push a request past it).
+        num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - num_computed_tokens)
+        # END TASK
+        return num_new_tokens
 
     def _pick_preemption_victim(self) -> Request:
         if self.policy == "priority":
@@ -326,8 +337,15 @@ class Scheduler:
         if stopped:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
-        scheduler_stats = None if spec_decoding_stats is None else SchedulerStats(spec_decoding_stats)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=scheduler_stats)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_decoding_stats))
+
+    def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats | None:
+        """This step's statistics: the prefix-cache lookups of the requests it admitted, and
+        its drafts. None when there is nothing to count (vLLM sends them every step)."""
+        prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        if not prefix_cache_stats.requests and spec_decoding_stats is None:
+            return None
+        return SchedulerStats(prefix_cache_stats=prefix_cache_stats, spec_decoding_stats=spec_decoding_stats)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Store the proposer's drafts on their requests; the next schedule() schedules them.
