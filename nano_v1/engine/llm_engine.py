@@ -121,6 +121,10 @@ class LLMEngine:
         """Totals since the engine started, as vLLM names them (speculative decoding only, for now)."""
         return [] if self.spec_decoding_stats is None else spec_decoding_metrics(self.spec_decoding_stats)
 
+    def reset_prefix_cache(self) -> bool:
+        """`EngineCore.reset_prefix_cache`, wherever the engine core runs (vLLM's name)."""
+        return self.engine_core.call_utility("reset_prefix_cache")
+
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
         """`EngineCore.collective_rpc`, wherever the engine core runs (a function only in-process)."""
         return self.engine_core.call_utility("collective_rpc", method, tuple(args))
