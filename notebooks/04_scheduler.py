@@ -32,9 +32,8 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from nano_v1 import LLM, SamplingParams
+from nano_v1 import SamplingParams
 from nano_v1.benchmarks import notebook as nb
-from nano_v1.sampling_params import RequestOutputKind
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()
@@ -55,27 +54,23 @@ print(f"{model_name}; {nb.device_label()}")
 # `run()` adds requests at given steps (an arrival schedule, as a server would see it)
 # and steps the engine until all are done. It records, per step, the scheduler's
 # `num_scheduled_tokens` (by wrapping `Scheduler.schedule` on this instance) and the
-# wall time, and per request the time of every token it receives (`DELTA` outputs, one
-# per step with new tokens).
+# wall time, and per request the time of every token it receives (each step's outputs
+# carry the tokens it added). The notebook builds the engine core itself (`nb.engine_core`:
+# the scheduler and the worker, in this process) so that the scheduler it wraps is its
+# own object; `LLM` would hide it, by default in another process (chapter 09).
 
 
 # %%
 def run(arrivals: list[tuple[int, list[int], int]], budget: int, chunked: bool) -> dict:
     """arrivals: (step, prompt token ids, output length) per request, request id = its index."""
-    llm = LLM(
-        model_dir,
-        device=nb.DEVICE,
-        load_format="dummy",
-        dtype=dtype,
-        max_num_batched_tokens=budget,
-        enable_chunked_prefill=chunked,
-        max_model_len=MAX_MODEL_LEN,
-        enable_prefix_caching=False,
-        seed=0,
+    core = nb.engine_core(
+        model=model_dir, load_format="dummy", dtype=dtype, max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, seed=0,
     )
-    engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    scheduler = core.scheduler
+    core.add_request(nb.core_request("warm-up", [1, 2, 3], SamplingParams(max_tokens=2)))
+    while scheduler.has_unfinished_requests():
+        core.step()
     schedule, scheduled = scheduler.schedule, []
 
     def recording_schedule():
@@ -88,19 +83,17 @@ def run(arrivals: list[tuple[int, list[int], int]], budget: int, chunked: bool) 
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
     step = 0
     start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
+    while pending or scheduler.has_unfinished_requests():
         while pending and pending[0][1][0] <= step:
             i, (_, prompt, output_len) = pending.pop(0)
-            params = SamplingParams(
-                temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-            )
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            core.add_request(nb.core_request(str(i), prompt, params))
             arrival_time[i] = time.perf_counter() - start
-        outputs = engine.step()
+        outputs = core.step().outputs
         now = time.perf_counter() - start
         step_end.append(now)
         for out in outputs:
-            token_times.setdefault(int(out.request_id), []).extend([now] * len(out.outputs[0].token_ids))
+            token_times.setdefault(int(out.request_id), []).extend([now] * len(out.new_token_ids))
         step += 1
     del scheduler.schedule
     return {"scheduled": scheduled, "step_end": step_end, "arrival": arrival_time, "token_times": token_times}

@@ -127,6 +127,10 @@ class LLMEngine:
             metrics += spec_decoding_metrics(self.spec_decoding_stats)
         return metrics
 
+    def reset_prefix_cache(self) -> bool:
+        """`EngineCore.reset_prefix_cache`, wherever the engine core runs (vLLM's name)."""
+        return self.engine_core.call_utility("reset_prefix_cache")
+
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
         """`EngineCore.collective_rpc`, wherever the engine core runs (a function only in-process)."""
         return self.engine_core.call_utility("collective_rpc", method, tuple(args))
