@@ -70,15 +70,6 @@ class FieldDifference:
 # Workloads whose schedules part ways with v0.11.0's, at the step and field where they first
 # do. Line numbers are v0.11.0's vllm/v1/core/sched/scheduler.py.
 KNOWN_DIFFERENCES = {
-    "chunked_prefill_off_skip": Difference(
-        step=0,
-        field="scheduled",
-        reason=(
-            "chunked prefill off, a waiting prompt larger than the step's remaining budget: v0.11.0 "
-            "skips it (pop, skipped_waiting_requests, continue: lines 431-435) and admits the "
-            "requests behind it that fit; nano_v1 stops admitting for the step (break)"
-        ),
-    ),
     "priority_preempt_scheduled": Difference(
         step=3,
         field="scheduled",
@@ -88,16 +79,6 @@ KNOWN_DIFFERENCES = {
             "entry, its req_to_new_blocks entry and its share of the budget, and does not step "
             "req_index back, so the step still runs it; nano_v1 unschedules it and returns its "
             "tokens to the budget"
-        ),
-    ),
-    "stops_min_tokens": Difference(
-        step=2,
-        field="outputs",
-        reason=(
-            "an EOS before min_tokens: v0.11.0's check_stop (vllm/v1/core/sched/utils.py lines "
-            "43-69) does not consult min_tokens, so it stops the request; nano_v1's check_stop "
-            "ignores stop tokens until min_tokens, as the sampler's MinTokensLogitsProcessor "
-            "does in both engines (which is why no real run of either samples this EOS)"
         ),
     ),
     "spec_decode_past_max_tokens": Difference(
@@ -116,21 +97,6 @@ KNOWN_DIFFERENCES = {
 # field out for these workloads; test_field_difference replays that field alone, so the
 # rest of each workload is still held to v0.11.0 step by step.
 FIELD_DIFFERENCES = {
-    "num_common_prefix_blocks": FieldDifference(
-        reason=(
-            "num_common_prefix_blocks with prefix caching off: v0.11.0 reports 0 "
-            "(KVCacheCoordinatorNoPrefixCache.get_num_common_prefix_blocks, "
-            "vllm/v1/core/kv_cache_coordinator.py lines 212-214); nano_v1 counts the first "
-            "running request's leading blocks whose ref_cnt equals the number of running "
-            "requests, which is all of its blocks whenever one request runs"
-        ),
-        first_steps={
-            "preemption": 29,
-            "priority": 20,
-            "priority_preempt_scheduled": 0,
-            "spec_decode_preemption": 9,
-        },
-    ),
     "after.spec_token_ids": FieldDifference(
         reason=(
             "drafts reaching max_model_len: v0.11.0 stores every draft (its n-gram proposer offers "

@@ -31,6 +31,9 @@ class SchedulerConfig:
     """Cap on the tokens one request may take in a step; 0 means no cap beyond the budget."""
     policy: str = "fcfs"
     """Order of the waiting queue, and of preemption: fcfs or priority."""
+    scheduler_reserve_full_isl: bool = False
+    """Admit a waiting request only if the free KV blocks cover its whole prompt, not just
+    its first chunk (vLLM 0.33's option, on by default there; v0.11.0 has no such gate)."""
 
     def __post_init__(self) -> None:
         check_positive_int("max_num_seqs", self.max_num_seqs)

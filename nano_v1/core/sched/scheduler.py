@@ -46,6 +46,9 @@ class Scheduler:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # Admit a waiting request only if the cache can hold its whole prompt (vLLM 0.33's
+        # gate, absent from v0.11.0: off by default; chapter 04 measures it).
+        self.scheduler_reserve_full_isl = scheduler_config.scheduler_reserve_full_isl
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
         # Speculative decoding (chapter 10): at most num_spec_tokens drafts per request per
@@ -167,6 +170,7 @@ class Scheduler:
 
         # Pass 2: WAITING requests, in queue order, only if nobody was preempted this
         # step (memory is tight: admitting new work would just thrash).
+        skipped_waiting_reqs = create_request_queue(self.policy)
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
@@ -175,7 +179,10 @@ class Scheduler:
                 new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 num_new_tokens = self._get_num_new_tokens(request, num_computed_tokens)
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break  # the whole prompt must fit into one step; wait for a roomier one
+                    # The whole prompt must fit into one step: it waits for a roomier one,
+                    # and the requests behind it that fit go first (vLLM v0.11.0).
+                    skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                    continue
                 num_new_tokens = min(num_new_tokens, token_budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
@@ -183,6 +190,7 @@ class Scheduler:
                     num_new_computed_tokens=num_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
                     num_lookahead_tokens=self.num_lookahead_tokens,
+                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
                     break  # the cache is full; the head of the queue waits (FCFS)
@@ -201,6 +209,9 @@ class Scheduler:
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_computed_tokens
+
+        if skipped_waiting_reqs:
+            self.waiting.prepend_requests(skipped_waiting_reqs)
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
