@@ -6,6 +6,12 @@ needed here. Checked: every `vllm/...` path in nano_v1's sources, the chapters a
 README; every symbol cited as `vllm/x.py::Symbol`, as `vllm/x.py (`A`, `B`)` or as
 "`A` in vllm/x.py"; that each nano_v1 module's docstring says which vLLM module it
 mirrors (or that it has none); and that each chapter's box names the release.
+
+A chapter's "## In vLLM today" section names what changed since, so its paths are
+checked against vLLM 0.33.0's files instead (tests/vllm_v0_33_0/manifest.json, paths
+only, written by the same script), except a path written as "v0.11.0's `vllm/...`",
+which is the old location and is checked against v0.11.0. Symbols named in that section
+are not checked here: the later manifest holds no symbols.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ MANIFEST = json.loads((REPO_ROOT / "tests" / "vllm_v0_11_0" / "manifest.json").r
 FILES = set(MANIFEST["files"])
 SYMBOLS: dict[str, list[str]] = MANIFEST["symbols"]
 VERSION = MANIFEST["vllm_version"]
+MANIFEST_TODAY = json.loads((REPO_ROOT / "tests" / "vllm_v0_33_0" / "manifest.json").read_text())
+FILES_TODAY = set(MANIFEST_TODAY["files"])
+VERSION_TODAY = MANIFEST_TODAY["vllm_version"]
 
 SOURCES = sorted((REPO_ROOT / "nano_v1").rglob("*.py"))
 DOCUMENTS = sorted((REPO_ROOT / "chapters").glob("*.md")) + [REPO_ROOT / "README.md"]
@@ -47,6 +56,10 @@ SAME_PATHS_RE = re.compile(
 )
 CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
 NAME_RE = re.compile(r"`([A-Za-z_][\w.]*)`")
+# A chapter's "## In vLLM today" section, up to the next "## " heading or the end.
+TODAY_RE = re.compile(r"^## In vLLM today\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+# Inside it, "v0.11.0's `vllm/x.py`" names the old location.
+OLD_PATH_RE = re.compile(r"v0\.11\.0's\s+`?(vllm/[\w./-]*)")
 NO_COUNTERPART_RE = re.compile(
     r"nano_v1's own|[Nn]o vLLM counterpart|vLLM has no counterpart|Mirrors no (?:single )?vLLM"
 )
@@ -79,11 +92,16 @@ def cited_symbols(text: str) -> set[tuple[str, str]]:
     return pairs
 
 
-def path_exists(path: str) -> bool:
+def path_exists(path: str, files: set[str] = FILES) -> bool:
     """A file of the manifest, or (ending in /) a directory holding some."""
     if path.endswith("/"):
-        return any(file.startswith(path) for file in FILES)
-    return path in FILES
+        return any(file.startswith(path) for file in files)
+    return path in files
+
+
+def split_today(text: str) -> tuple[str, str]:
+    """(the text without its "In vLLM today" sections, those sections)."""
+    return TODAY_RE.sub("", text), "".join(TODAY_RE.findall(text))
 
 
 def defines(path: str, symbol: str) -> bool:
@@ -93,8 +111,16 @@ def defines(path: str, symbol: str) -> bool:
 
 
 def citing_texts():
+    """Every source and document, without the sections about later releases."""
     for path in SOURCES + DOCUMENTS:
-        yield relative(path), path.read_text(encoding="utf-8")
+        yield relative(path), split_today(path.read_text(encoding="utf-8"))[0]
+
+
+def today_sections():
+    for chapter in sorted((REPO_ROOT / "chapters").glob("*.md")):
+        today = split_today(chapter.read_text(encoding="utf-8"))[1]
+        if today:
+            yield chapter.name, today
 
 
 def test_manifest_is_v0_11_0():
@@ -138,6 +164,22 @@ def test_module_docstring_names_its_vllm_counterpart(source):
     )
 
 
+def test_today_sections_cite_what_vllm_0_33_0_has():
+    assert VERSION_TODAY == "0.33.0"
+    assert "vllm/v1/engine/input_processor.py" in FILES_TODAY
+    problems = []
+    for name, today in today_sections():
+        if f"vLLM {VERSION_TODAY}" not in today:
+            problems.append(f"{name}: the In vLLM today section must name vLLM {VERSION_TODAY}")
+        for path in OLD_PATH_RE.findall(today):
+            if not path_exists(path.rstrip(".,")):
+                problems.append(f"{name}: {path} is not in vLLM {VERSION}")
+        for path in sorted(cited_paths(OLD_PATH_RE.sub("", today))):
+            if not path_exists(path, FILES_TODAY):
+                problems.append(f"{name}: {path} is not in vLLM {VERSION_TODAY}")
+    assert not problems, "\n".join(problems)
+
+
 def test_chapter_boxes_name_the_release():
     for chapter in sorted((REPO_ROOT / "chapters").glob("*.md")):
         box = next(
@@ -170,4 +212,16 @@ def test_the_checks_can_see_citations():
     }
     assert all(defines(path, symbol) for path, symbol in cited_symbols(text))
     assert not path_exists("vllm/compilation/piecewise_backend.py")  # renamed after v0.11.0
+    assert path_exists("vllm/compilation/piecewise_backend.py", FILES_TODAY)
+    assert not path_exists("vllm/compilation/cuda_piecewise_backend.py", FILES_TODAY)
     assert not defines("vllm/v1/core/block_pool.py", "Scheduler")
+
+    chapter = (
+        "See vllm/v1/core/block_pool.py.\n\n## In vLLM today\n\n> moved from v0.11.0's "
+        "`vllm/attention/layer.py` to `vllm/model_executor/layers/attention/attention.py`\n\n"
+        "## Your turn\n\nvllm/v1/request.py\n"
+    )
+    rest, today = split_today(chapter)
+    assert cited_paths(rest) == {"vllm/v1/core/block_pool.py", "vllm/v1/request.py"}
+    assert OLD_PATH_RE.findall(today) == ["vllm/attention/layer.py"]
+    assert cited_paths(OLD_PATH_RE.sub("", today)) == {"vllm/model_executor/layers/attention/attention.py"}

@@ -16,17 +16,28 @@ lists the names its module body defines (functions, classes, assigned names, inc
 those under a top-level `if` or `try`) and, for each class, `Class.member` for the
 functions and assigned names of the class body. Imported names are not listed: a citation
 names the file that defines a symbol, not one that re-exports it.
+
+The same script records a later release's files alone, for the chapters' "In vLLM today"
+sections, which name where things live now (tests/vllm_v0_33_0/manifest.json):
+
+    pip download --no-deps --no-binary :all: --no-clean vllm==0.33.0 -d /tmp/sdist
+    python tests/vllm_v0_11_0/make_manifest.py --version 0.33.0 --paths-only /tmp/pip-download-*/vllm_*/
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
-import sys
 from pathlib import Path
 
 VERSION = "0.11.0"
-OUT = Path(__file__).with_name("manifest.json")
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def manifest_path(version: str) -> Path:
+    """tests/vllm_v0_11_0/manifest.json for 0.11.0, and so on."""
+    return TESTS / f"vllm_v{version.replace('.', '_')}" / "manifest.json"
 
 
 def assigned_names(node: ast.stmt) -> list[str]:
@@ -76,35 +87,46 @@ def read_version(tree: Path) -> str:
     raise SystemExit(f"{tree}/PKG-INFO names no version")
 
 
-def main(tree: Path) -> None:
-    version = read_version(tree)
-    if version != VERSION:
-        raise SystemExit(f"{tree} is vLLM {version}; the manifest pins {VERSION}")
+def main(tree: Path, version: str = VERSION, paths_only: bool = False) -> None:
+    found = read_version(tree)
+    if found != version:
+        raise SystemExit(f"{tree} is vLLM {found}; expected {version}")
     files = sorted(
         path.relative_to(tree).as_posix()
         for path in (tree / "vllm").rglob("*")
         if path.is_file() and "__pycache__" not in path.parts
     )
-    symbols = {
-        path: module_symbols((tree / path).read_text(encoding="utf-8"))
-        for path in files
-        if path.endswith(".py")
-    }
     # One file per line, so that a regenerated manifest diffs by file.
     lines = [f'{{"vllm_version": {json.dumps(version)},', '"files": [']
     lines += [json.dumps(path) + ("," if i < len(files) - 1 else "") for i, path in enumerate(files)]
-    lines += ["],", '"symbols": {']
-    items = list(symbols.items())
-    lines += [
-        f"{json.dumps(path)}: {json.dumps(names)}" + ("," if i < len(items) - 1 else "")
-        for i, (path, names) in enumerate(items)
-    ]
-    lines.append("}}")
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"{OUT}: {len(files)} files, {sum(map(len, symbols.values()))} symbols")
+    if paths_only:
+        lines.append("]}")
+        symbols = {}
+    else:
+        symbols = {
+            path: module_symbols((tree / path).read_text(encoding="utf-8"))
+            for path in files
+            if path.endswith(".py")
+        }
+        lines += ["],", '"symbols": {']
+        items = list(symbols.items())
+        lines += [
+            f"{json.dumps(path)}: {json.dumps(names)}" + ("," if i < len(items) - 1 else "")
+            for i, (path, names) in enumerate(items)
+        ]
+        lines.append("}}")
+    out = manifest_path(version)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"{out}: {len(files)} files, {sum(map(len, symbols.values()))} symbols")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: {sys.argv[0]} PATH_TO_VLLM_{VERSION.replace('.', '_')}_SOURCE_TREE")
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tree", type=Path, help="the unpacked source archive (holding PKG-INFO and vllm/)")
+    parser.add_argument(
+        "--version", default=VERSION, help=f"the release the tree must be (default {VERSION})"
+    )
+    parser.add_argument("--paths-only", action="store_true", help="record the files, not their symbols")
+    args = parser.parse_args()
+    main(args.tree, args.version, args.paths_only)
