@@ -143,8 +143,9 @@ def make_scheduler(
         enable_chunked_prefill=chunked,
         policy=policy,
     )
-    # The scheduler reads only max_model_len from the model's config: no checkpoint needed.
-    config.model_config = types.SimpleNamespace(max_model_len=max_model_len)
+    # The scheduler reads only max_model_len and whether the model takes images (chapter 11)
+    # from the model's config: no checkpoint needed.
+    config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=False)
     config.device_config = DeviceConfig("cpu")
     if num_spec_tokens:
         config.speculative_config = SpeculativeConfig(num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1)
