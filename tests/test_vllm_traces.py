@@ -140,7 +140,9 @@ def build_scheduler(config: dict) -> Scheduler:
         long_prefill_token_threshold=config["long_prefill_token_threshold"],
         policy=config["policy"],
     )
-    vllm_config.model_config = types.SimpleNamespace(max_model_len=config["max_model_len"], is_multimodal_model=False)
+    vllm_config.model_config = types.SimpleNamespace(
+        max_model_len=config["max_model_len"], is_multimodal_model=False
+    )
     vllm_config.speculative_config = (
         SpeculativeConfig(num_speculative_tokens=config["num_spec_tokens"], prompt_lookup_min=1)
         if config["num_spec_tokens"]
