@@ -89,9 +89,12 @@ def run(arrivals: list[tuple[int, list[int], int]], budget: int, chunked: bool) 
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
             core.add_request(nb.core_request(str(i), prompt, params))
             arrival_time[i] = time.perf_counter() - start
+        num_scheduled_before = len(scheduled)
         outputs = core.step().outputs
         now = time.perf_counter() - start
         step_end.append(now)
+        if len(scheduled) == num_scheduled_before:  # nothing was waiting or running: an idle step
+            scheduled.append({})
         for out in outputs:
             token_times.setdefault(int(out.request_id), []).extend([now] * len(out.new_token_ids))
         step += 1
@@ -192,8 +195,9 @@ plt.show()
 # %%
 calibration_tokens = np.concatenate([[sum(s.values()) for s in r["scheduled"]] for r in gantt.values()])
 calibration_steps = np.concatenate([np.diff([0.0] + r["step_end"]) for r in gantt.values()])
-b_s, a_s = np.polyfit(calibration_tokens, calibration_steps, 1)
-print(f"fitted on {len(calibration_steps)} steps of the runs above: "
+busy = calibration_tokens > 0  # idle steps (waiting for an arrival) ran no model
+b_s, a_s = np.polyfit(calibration_tokens[busy], calibration_steps[busy], 1)
+print(f"fitted on {busy.sum()} steps of the runs above: "
       f"step ~ {a_s * 1e3:.2f} ms + {b_s * 1e6:.1f} µs x tokens")
 predicted = {}
 for budget in BUDGETS:
