@@ -126,7 +126,7 @@ class StageTimer:
     def __init__(self, llm: LLM) -> None:
         engine = llm.llm_engine
         core = engine.engine_core.engine_core  # the in-process EngineCore
-        runner = core.model_executor.model_runner
+        runner = core.model_executor.driver_worker.model_runner
         self.targets = [
             (core.scheduler, "schedule", "schedule"),
             (runner, "_update_states", "prepare inputs"),

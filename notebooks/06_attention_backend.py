@@ -70,7 +70,7 @@ model_dir = write_tiny_qwen3(tempfile.mkdtemp(prefix="nano_v1_nb06_"), weights=F
 llm = LLM(model=model_dir, load_format="dummy", dtype="float32", device=nb.DEVICE, seed=0, block_size=4,
           max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
 engine = llm.llm_engine
-runner = engine.engine_core.engine_core.model_executor.model_runner
+runner = engine.engine_core.engine_core.model_executor.driver_worker.model_runner
 built = []
 build = runner.attn_metadata_builder.build
 runner.attn_metadata_builder.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]

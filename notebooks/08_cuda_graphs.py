@@ -70,7 +70,7 @@ traced_before = compilation_counter.num_graphs_seen
 start = time.perf_counter()
 split_llm = LLM(**engine_kwargs, **CPU_MODES["split"])
 startup_split = time.perf_counter() - start
-split_runner = split_llm.llm_engine.engine_core.engine_core.model_executor.model_runner
+split_runner = split_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
 pieces = split_runner.compile_backend.piecewise_graphs
 num_layers = len(split_runner.attn_layers)
 print(

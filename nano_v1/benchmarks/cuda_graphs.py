@@ -100,7 +100,7 @@ def measure_mode(
 ) -> dict[str, Any]:
     """One engine (an `LLM`) in its mode: decode-step rows per batch size, launches, throughput."""
     engine = llm.llm_engine
-    runner = engine.engine_core.engine_core.model_executor.model_runner
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.model_runner
     vocab_size = engine.vllm_config.model_config.get_vocab_size()
     rng = np.random.default_rng(0)
     result: dict[str, Any] = {

@@ -240,7 +240,7 @@ def verify_cost_sweep(
         speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)},
     )))
     engine = llm.llm_engine
-    drafter = engine.engine_core.engine_core.model_executor.model_runner.drafter
+    drafter = engine.engine_core.engine_core.model_executor.driver_worker.model_runner.drafter
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = ctx.partial.setdefault("rows", [])
     for batch_size in batch_sizes:

@@ -1,0 +1,42 @@
+"""Run by `torchrun --standalone --nproc-per-node 2` in tests/test_tensor_parallel.py: every rank an engine.
+
+    torchrun --standalone --nproc-per-node 2 tests/torchrun_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS OUT_JSON
+
+Each rank builds `LLM(..., tensor_parallel_size=2, distributed_executor_backend="external_launcher")`
+(vLLM's way to run tensor parallelism under torchrun, and across machines) and generates greedily
+from the same prompts; rank 0 writes the tokens, and whether rank 1 generated the same, to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed
+
+from nano_v1 import LLM, SamplingParams
+from nano_v1.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+
+def main() -> None:
+    model, prompts_json, max_tokens, out = sys.argv[1:5]
+    llm = LLM(
+        model=model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+        num_gpu_blocks_override=64, max_model_len=256,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    gathered: list = [None, None]
+    torch.distributed.all_gather_object(gathered, tokens)
+    if get_tensor_model_parallel_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(
+                {"tp_size": get_tensor_model_parallel_world_size(), "rank_0_and_1_agree": gathered[0] == gathered[1],
+                 "tokens": tokens}, f,
+            )  # fmt: skip
+    llm.llm_engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
