@@ -198,8 +198,9 @@ def test_each_rank_holds_its_shard(tp2_llama, checkpoints):
     assert [layout["embed_rows"] for layout in layouts] == [(0, 256), (256, 512)]
 
 
-def test_collectives_are_sums_and_concatenations(tp2_llama):
-    for result in tp2_llama.collective_rpc(tp_probes.collectives):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_collectives_are_sums_and_concatenations(tp2_llama, compiled):
+    for result in tp2_llama.collective_rpc(tp_probes.collectives, (compiled,)):
         torch.testing.assert_close(result["all_reduce"], torch.full((2, 3), 3.0))
         torch.testing.assert_close(result["all_gather_0"], torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)]))
         torch.testing.assert_close(

@@ -145,11 +145,17 @@ def rank_layout(worker) -> dict:
     }
 
 
-def collectives(worker) -> dict:
-    """The two collectives on rank-dependent tensors: `[2, 3]` filled with rank + 1 on each rank."""
-    x = torch.full((2, 3), float(get_tensor_model_parallel_rank() + 1))
+def _collectives_of(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         "all_reduce": tensor_model_parallel_all_reduce(x),
         "all_gather_0": tensor_model_parallel_all_gather(x, dim=0),
         "all_gather_last": tensor_model_parallel_all_gather(x),
     }
+
+
+def collectives(worker, compiled: bool) -> dict[str, torch.Tensor]:
+    """The two collectives on `[2, 3]` filled with rank + 1, eagerly or traced by Dynamo as one
+    graph (`fullgraph`: the custom ops `nano_v1::all_reduce` / `all_gather` must stand in for them)."""
+    x = torch.full((2, 3), float(get_tensor_model_parallel_rank() + 1))
+    fn = torch.compile(_collectives_of, backend="eager", fullgraph=True) if compiled else _collectives_of
+    return fn(x)
