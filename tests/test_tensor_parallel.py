@@ -172,7 +172,9 @@ def test_tp2_greedy_equals_tp1_and_transformers(checkpoints, name, monkeypatch):
         assert greedy(llm, prompts) == expected
     preempted = []
     original = Scheduler._preempt
-    monkeypatch.setattr(Scheduler, "_preempt", lambda self, req: (preempted.append(req.request_id), original(self, req)))
+    monkeypatch.setattr(
+        Scheduler, "_preempt", lambda self, req: (preempted.append(req.request_id), original(self, req))
+    )
     with engine(path, tensor_parallel_size=2, **settings) as llm:
         assert greedy(llm, prompts) == expected
         assert preempted, "the cache was meant to be too small for the batch"
@@ -182,27 +184,40 @@ def test_tp2_greedy_equals_tp1_and_transformers(checkpoints, name, monkeypatch):
     assert sum(o.num_cached_tokens >= 32 for o in again) >= 2, "the shared prefix was meant to hit"
 
 
-def test_each_rank_holds_its_shard(tp2_llama, checkpoints):
-    """TP=2 must really shard: same tokens from two whole models would pass the greedy test too."""
-    layouts = tp2_llama.collective_rpc(tp_probes.rank_layout)
+@pytest.mark.parametrize(
+    "name, head_size, vocab_blocks",
+    [
+        ("llama", 16, [(0, 256), (256, 512)]),  # 4 query heads of 16, 1 KV head replicated, 500 -> 512
+        ("qwen3", 32, [(0, 256), (256, 512)]),  # 4 query heads of 32, 2 KV heads split, 512
+    ],
+)
+def test_each_rank_holds_its_shard(checkpoints, name, head_size, vocab_blocks):
+    """TP=2 must really shard: two whole models would pass the greedy test too. Per rank: 2 query
+    heads and 1 KV head, in a process of its own, with a KV cache of that one head."""
+    with engine(checkpoints[name], tensor_parallel_size=2, **SMALL_CACHE) as llm:
+        layouts = llm.collective_rpc(tp_probes.rank_layout)
     assert [layout["tp_rank"] for layout in layouts] == [0, 1]
     assert {layout["tp_size"] for layout in layouts} == {2}
     assert len({layout["pid"] for layout in layouts} | {os.getpid()}) == 3  # rank 0 too has its own process
-    # llama: hidden 64, 4 query heads of 16, 1 KV head replicated: per rank 2 + 1 + 1 heads of 16 rows.
     for layout in layouts:
         assert (layout["num_heads"], layout["num_kv_heads"]) == (2, 1)
-        assert layout["qkv_weight"] == ((2 + 1 + 1) * 16, 64)
-        assert layout["o_proj_weight"] == (64, 2 * 16)
-        assert layout["kv_cache"][-2:] == (1, 16)  # [..., num_kv_heads, head_size]: this rank's one head
+        assert layout["qkv_weight"] == ((2 + 1 + 1) * head_size, 64)
+        assert layout["o_proj_weight"] == (64, 2 * head_size)
+        assert layout["kv_cache"][-2:] == (
+            1,
+            head_size,
+        )  # [..., num_kv_heads, head_size]: this rank's one head
         assert layout["torch_threads"] == max(1, torch.get_num_threads() // 2)
-    assert [layout["embed_rows"] for layout in layouts] == [(0, 256), (256, 512)]
+    assert [layout["embed_rows"] for layout in layouts] == vocab_blocks
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_collectives_are_sums_and_concatenations(tp2_llama, compiled):
     for result in tp2_llama.collective_rpc(tp_probes.collectives, (compiled,)):
         torch.testing.assert_close(result["all_reduce"], torch.full((2, 3), 3.0))
-        torch.testing.assert_close(result["all_gather_0"], torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)]))
+        torch.testing.assert_close(
+            result["all_gather_0"], torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
+        )
         torch.testing.assert_close(
             result["all_gather_last"], torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)], dim=1)
         )
@@ -266,9 +281,9 @@ def test_row_parallel_linear_sums_the_ranks_once(tp2_llama, checkpoints, name):
         torch.testing.assert_close(output, whole)
 
 
-@pytest.mark.ch13_t2
 @pytest.mark.parametrize("planted_bug", sorted(tp_probes.PLANTED_ROW_BUGS))
 def test_row_parallel_check_catches_a_planted_bug(tp2_llama, checkpoints, planted_bug):
+    """Not a task test (the planted forward replaces the task's code): it shows the check can fail."""
     path = checkpoints["llama"]
     x = layer_input("o_proj", path)
     whole = whole_output("o_proj", path, x)
@@ -300,7 +315,9 @@ def heads_of_rank(rank: int, tp_size: int, num_heads: int, num_kv_heads: int) ->
     return q_heads, sorted({h // (num_heads // num_kv_heads) for h in q_heads})
 
 
-def check_qkv_shards(tp_size: int, num_heads: int, num_kv_heads: int, head_size: int = 4, hidden: int = 8) -> None:
+def check_qkv_shards(
+    tp_size: int, num_heads: int, num_kv_heads: int, head_size: int = 4, hidden: int = 8
+) -> None:
     """For every rank, QKVParallelLinear's weight and bias rows are exactly the rows of its heads."""
     generator = torch.Generator().manual_seed(tp_size * 100 + num_kv_heads)
     q = torch.randn(num_heads * head_size, hidden, generator=generator)
@@ -319,12 +336,22 @@ def check_qkv_shards(tp_size: int, num_heads: int, num_kv_heads: int, head_size:
             layer.weight_loader(layer.bias, bias, shard_id)
         q_heads, kv_heads = heads_of_rank(rank, tp_size, num_heads, num_kv_heads)
         expected = torch.cat([rows(q, q_heads), rows(k, kv_heads), rows(v, kv_heads)])
-        expected_bias = torch.cat([rows(b[:, None], h)[:, 0] for b, h in zip(biases, (q_heads, kv_heads, kv_heads))])
+        expected_bias = torch.cat(
+            [rows(b[:, None], h)[:, 0] for b, h in zip(biases, (q_heads, kv_heads, kv_heads))]
+        )
         assert torch.equal(layer.weight, expected), f"rank {rank} of {tp_size}: wrong weight rows"
         assert torch.equal(layer.bias, expected_bias), f"rank {rank} of {tp_size}: wrong bias rows"
 
 
-QKV_LAYOUTS = [(1, 4, 2), (2, 4, 2), (2, 4, 4), (2, 4, 1), (4, 8, 2), (4, 8, 1), (8, 8, 2)]  # (tp, heads, kv heads)
+QKV_LAYOUTS = [
+    (1, 4, 2),
+    (2, 4, 2),
+    (2, 4, 4),
+    (2, 4, 1),
+    (4, 8, 2),
+    (4, 8, 1),
+    (8, 8, 2),
+]  # (tp, heads, kv heads)
 
 
 @pytest.mark.ch13_t1
@@ -340,8 +367,8 @@ def _loader_kv_by_modulo(self, param, loaded_weight, shard_id=None):
     param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, shard_rank * size, size))
 
 
-@pytest.mark.ch13_t1
 def test_qkv_check_catches_a_planted_bug(monkeypatch):
+    """Not a task test (the planted loader replaces the task's code): it shows the check can fail."""
     monkeypatch.setattr(QKVParallelLinear, "weight_loader", _loader_kv_by_modulo)
     check_qkv_shards(2, 4, 1)  # with one KV head, round-robin and grouping agree ...
     with pytest.raises(AssertionError, match="rank 1 of 4"):
@@ -364,34 +391,48 @@ def test_qkv_parallel_linear_matches_the_whole_layer(tp2_llama, checkpoints):
 
     for rank, shard in enumerate(tp2_llama.collective_rpc(tp_probes.run_layer, ("qkv_proj", x))):
         q_heads, kv_of_rank = heads_of_rank(rank, 2, heads, kv_heads)
-        torch.testing.assert_close(shard, torch.cat([columns(q, q_heads), columns(k, kv_of_rank), columns(v, kv_of_rank)], -1))
+        torch.testing.assert_close(
+            shard, torch.cat([columns(q, q_heads), columns(k, kv_of_rank), columns(v, kv_of_rank)], -1)
+        )
 
 
 # ----------------------------------------------------------------------------- failure and clean-up
-def test_killed_worker_fails_generate_fast_and_leaves_no_process(checkpoints):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_killed_worker_fails_generate_fast_and_leaves_no_process(checkpoints, rank):
+    """Rank 1's death also breaks rank 0's all-reduce; rank 0's death is seen only by the monitor
+    (the executor waits on rank 0's answer, and rank 1 does not answer execute_model)."""
     llm = LLM(model=checkpoints["qwen3"], dtype="float32", tensor_parallel_size=2, **SMALL_CACHE)
     executor = executor_of(llm)
     pids = [handle.proc.pid for handle in executor.workers]
     shm_name = executor.rpc_broadcast_mq.buffer.shared_memory.name
     killed_at = []
 
-    def kill_rank_1() -> None:
+    def kill_mid_run() -> None:
         while llm.llm_engine.engine_core.engine_core.scheduler.get_num_unfinished_requests() == 0:
             time.sleep(0.01)
         time.sleep(0.2)  # some steps in
         killed_at.append(time.monotonic())
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[rank], signal.SIGKILL)
 
-    threading.Thread(target=kill_rank_1, daemon=True).start()
+    threading.Thread(target=kill_mid_run, daemon=True).start()
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     with pytest.raises(EngineDeadError, match="worker rank"):
         llm.generate([{"prompt_token_ids": [5] * 8}] * 4, params, use_tqdm=False)
     assert time.monotonic() - killed_at[0] < 5.0
-    assert wait_until_gone(pids, timeout=5.0) == []  # rank 0 was stopped, both reaped
+    assert wait_until_gone(pids, timeout=5.0) == []  # the other rank was stopped, both reaped
     with pytest.raises(EngineDeadError):  # and the engine stays dead
         llm.generate([{"prompt_token_ids": [5] * 8}], params, use_tqdm=False)
     llm.llm_engine.shutdown()
     assert not Path(f"/dev/shm/{shm_name}").exists()
+
+
+def test_workers_exit_when_their_death_pipe_closes(checkpoints):
+    """What keeps a worker from outliving an executor that was killed before it could stop it."""
+    with engine(checkpoints["qwen3"], tensor_parallel_size=2, **SMALL_CACHE) as llm:
+        workers = executor_of(llm).workers
+        for handle in workers:
+            handle.death_writer.close()
+        assert wait_until_gone([handle.proc.pid for handle in workers], timeout=3.0) == []
 
 
 def test_shutdown_and_garbage_collection_leave_no_process(checkpoints):
@@ -428,22 +469,27 @@ def test_startup_error_in_a_worker_is_raised_not_hung(checkpoints, tmp_path):
 
 @pytest.mark.slow
 def test_engine_core_process_drives_worker_processes(checkpoints, monkeypatch):
-    """The engine core in its own process (the default outside tests) starts the workers itself;
-    killing one ends generate with EngineDeadError and leaves no process below the engine core."""
+    """The engine core in its own process (the default outside tests) starts the workers itself.
+    A worker killed while the engine is idle (no step in flight) still ends the engine core,
+    through the executor's failure callback, and leaves no process below it."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     path = checkpoints["qwen3"]
     prompts = prompts_for(path)
     llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, **SMALL_CACHE)
+    client = llm.llm_engine.engine_core
     try:
         assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
-        core_pid = llm.llm_engine.engine_core.resources.proc.pid
+        core_pid = client.resources.proc.pid
         below = descendants(core_pid)  # its forkserver and the two workers that forked from it
         workers = [pid for pid in below if parent_of(pid) != core_pid]
         assert len(workers) == 2, below
-        threading.Timer(0.5, os.kill, (workers[1], signal.SIGKILL)).start()
-        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        os.kill(workers[1], signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while not client.resources.engine_dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.resources.engine_dead, "the idle engine core did not report its dead worker"
         with pytest.raises(EngineDeadError):
-            llm.generate([{"prompt_token_ids": [5] * 8}] * 4, params, use_tqdm=False)
+            greedy(llm, prompts)
     finally:
         llm.llm_engine.shutdown()
     assert wait_until_gone([core_pid, *below], timeout=10.0) == []
@@ -463,6 +509,8 @@ def test_torchrun_external_launcher_gives_the_same_tokens(checkpoints, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     tokens = json.loads(out.read_text())
     assert tokens["tp_size"] == 2 and tokens["rank_0_and_1_agree"]
+    # Rank 1 offered twice the KV cache memory; every rank's engine takes the minimum.
+    assert tokens["num_gpu_blocks"][0] == tokens["num_gpu_blocks"][1]
     assert tokens["tokens"] == hf_greedy(path, prompts, MAX_NEW)
 
 
@@ -482,14 +530,20 @@ def test_bad_parallel_arguments_are_rejected(checkpoints, engine_args, message):
 
 
 def test_kv_heads_that_cannot_be_shared_out_are_rejected(tmp_path):
-    path = make_tiny_checkpoint(tmp_path, "qwen3", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    path = make_tiny_checkpoint(
+        tmp_path, "qwen3", num_attention_heads=6, num_key_value_heads=3, hidden_size=96
+    )
     with pytest.raises(ValueError, match="3 KV heads cannot be split over"):
         EngineArgs(model=path, tensor_parallel_size=2).create_engine_config()
 
 
 def test_defaults_pick_the_executor(checkpoints):
     def backend(**kwargs) -> str:
-        return EngineArgs(model=checkpoints["qwen3"], **kwargs).create_engine_config().parallel_config.distributed_executor_backend
+        return (
+            EngineArgs(model=checkpoints["qwen3"], **kwargs)
+            .create_engine_config()
+            .parallel_config.distributed_executor_backend
+        )
 
     assert (backend(), backend(tensor_parallel_size=2)) == ("uni", "mp")
 
@@ -498,7 +552,27 @@ def test_external_launcher_outside_torchrun_says_how_to_start_it(checkpoints, mo
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="torchrun --nproc-per-node"):
-        LLM(model=checkpoints["qwen3"], tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+        LLM(
+            model=checkpoints["qwen3"],
+            tensor_parallel_size=2,
+            distributed_executor_backend="external_launcher",
+        )
+
+
+def test_worker_processes_skip_an_unguarded_main_script(tmp_path):
+    """A script without `if __name__ == "__main__":` (a notebook run with python) can start our
+    processes: the child does not re-run it (else it would start a process while bootstrapping)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import multiprocessing, os\n"
+        "from nano_v1.utils import start_process\n"
+        "proc = multiprocessing.get_context('spawn').Process(target=os.getpid)\n"
+        "start_process(proc)\nproc.join()\nprint('exit code', proc.exitcode)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.stdout.strip().splitlines()[-1] == "exit code 0", result.stdout + result.stderr
 
 
 def test_a_model_built_outside_its_workers_is_refused(checkpoints):
@@ -545,7 +619,7 @@ def test_message_queue_waits_end_on_timeout_or_cancel():
     cancel = threading.Event()
     threading.Timer(0.3, cancel.set).start()
     with pytest.raises(QueueCancelledError):
-        writer.enqueue("no room until the reader reads", cancel=cancel)
+        writer.enqueue("no room until the reader reads", timeout=5, cancel=cancel)
     assert queue.dequeue(timeout=1) == "fills the one chunk"
     queue.close()
 

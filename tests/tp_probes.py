@@ -8,6 +8,7 @@ builds the unsharded layer (a process that never joined any ranks is a world of 
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,9 +38,7 @@ LAYER_0 = "model.layers.0"
 def build_layer(name: str, model_dir: str) -> torch.nn.Module:
     """Layer `name` of checkpoint `model_dir`, built for this process's rank and loaded through its
     weight loaders from the checkpoint's (whole) tensors."""
-    config_tensors = load_file(str(Path(model_dir) / "model.safetensors"))
-    import json
-
+    checkpoint = load_file(str(Path(model_dir) / "model.safetensors"))
     config = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -47,7 +46,7 @@ def build_layer(name: str, model_dir: str) -> torch.nn.Module:
     attn, mlp = f"{LAYER_0}.self_attn", f"{LAYER_0}.mlp"
 
     def tensors(prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix) + 1 :]: v for k, v in config_tensors.items() if k.startswith(prefix + ".")}
+        return {k[len(prefix) + 1 :]: v for k, v in checkpoint.items() if k.startswith(prefix + ".")}
 
     if name == "qkv_proj":
         q, k, v = tensors(f"{attn}.q_proj"), tensors(f"{attn}.k_proj"), tensors(f"{attn}.v_proj")
@@ -75,7 +74,7 @@ def build_layer(name: str, model_dir: str) -> torch.nn.Module:
         cls, key = {"embed_tokens": (VocabParallelEmbedding, "model.embed_tokens.weight"),
                     "lm_head": (ParallelLMHead, "lm_head.weight")}[name]  # fmt: skip
         layer = cls(vocab, hidden)
-        layer.weight_loader(layer.weight, config_tensors.get(key, config_tensors["model.embed_tokens.weight"]))
+        layer.weight_loader(layer.weight, checkpoint.get(key, checkpoint["model.embed_tokens.weight"]))
     else:
         raise ValueError(f"no layer {name!r}")
     return layer.eval()
@@ -110,7 +109,10 @@ def _forward_without_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
 
 
 # Subtly wrong `RowParallelLinear.forward`s that the tests must catch.
-PLANTED_ROW_BUGS = {"bias_on_every_rank": _forward_bias_on_every_rank, "no_all_reduce": _forward_without_all_reduce}
+PLANTED_ROW_BUGS = {
+    "bias_on_every_rank": _forward_bias_on_every_rank,
+    "no_all_reduce": _forward_without_all_reduce,
+}
 
 
 @contextmanager
@@ -155,7 +157,7 @@ def _collectives_of(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def collectives(worker, compiled: bool) -> dict[str, torch.Tensor]:
     """The two collectives on `[2, 3]` filled with rank + 1, eagerly or traced by Dynamo as one
-    graph (`fullgraph`: the custom ops `nano_v1::all_reduce` / `all_gather` must stand in for them)."""
+    graph (`fullgraph`: no graph break allowed, as torch.compile of the model needs)."""
     x = torch.full((2, 3), float(get_tensor_model_parallel_rank() + 1))
     fn = torch.compile(_collectives_of, backend="eager", fullgraph=True) if compiled else _collectives_of
     return fn(x)

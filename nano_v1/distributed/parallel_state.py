@@ -19,6 +19,10 @@ input, and torch.distributed is never initialised. That is the case of every eng
 tensor_parallel_size=1 and of a model built by hand (tests, the demo model's training).
 vLLM initialises a one-rank process group even then; we don't, because torch.distributed
 can be initialised once per process and a test process builds many engines.
+
+Under torch.compile (chapter 08) Dynamo traces these torch.distributed calls itself, as
+functional collectives. vLLM wraps its collectives in custom ops because its own
+communicators (custom all-reduce, pynccl) are opaque to Dynamo; ours are not.
 """
 
 from __future__ import annotations
@@ -35,9 +39,6 @@ logger = logging.getLogger(__name__)
 # close, the executor watches its process); this bounds a live peer that hangs.
 DISTRIBUTED_TIMEOUT = timedelta(minutes=5)
 
-# unique_name -> group, so that the custom ops below (which take strings, not objects) can find theirs.
-_groups: dict[str, GroupCoordinator] = {}
-
 
 class GroupCoordinator:
     """One group of ranks: who is in it, and all-reduce / all-gather among them.
@@ -46,11 +47,7 @@ class GroupCoordinator:
     device index on this machine. A group of one creates no process group at all.
     """
 
-    def __init__(
-        self, group_ranks: list[list[int]], local_rank: int, torch_distributed_backend: str, group_name: str
-    ) -> None:
-        self.unique_name = f"{group_name}:{len(_groups)}"
-        _groups[self.unique_name] = self
+    def __init__(self, group_ranks: list[list[int]], local_rank: int, torch_distributed_backend: str) -> None:
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.local_rank = local_rank
         self.cpu_group: torch.distributed.ProcessGroup | None = None
@@ -72,15 +69,9 @@ class GroupCoordinator:
                 self.device_group, self.cpu_group = device_group, cpu_group
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum of `input_` over the group's ranks (out of place)."""
+        """The elementwise sum of `input_` over the group's ranks, as a new tensor (the input is kept)."""
         if self.world_size == 1:
             return input_
-        if torch.compiler.is_compiling():
-            # One opaque node for Dynamo, as the attention op is (chapter 08).
-            return torch.ops.nano_v1.all_reduce(input_, self.unique_name)
-        return self._all_reduce_out_place(input_)
-
-    def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         output = input_.clone()
         torch.distributed.all_reduce(output, group=self.device_group)
         return output
@@ -91,11 +82,6 @@ class GroupCoordinator:
             return input_
         if not -input_.dim() <= dim < input_.dim():
             raise ValueError(f"dim {dim} is out of range for a tensor of shape {tuple(input_.shape)}.")
-        if torch.compiler.is_compiling():
-            return torch.ops.nano_v1.all_gather(input_, dim % input_.dim(), self.unique_name)
-        return self._all_gather_out_place(input_, dim)
-
-    def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         gathered = [torch.empty_like(input_) for _ in range(self.world_size)]
         torch.distributed.all_gather(gathered, input_.contiguous(), group=self.device_group)
         return torch.cat(gathered, dim=dim)
@@ -105,38 +91,13 @@ class GroupCoordinator:
             torch.distributed.barrier(group=self.cpu_group)
 
     def destroy(self) -> None:
-        _groups.pop(self.unique_name, None)
         for group in {id(g): g for g in (self.device_group, self.cpu_group) if g is not None}.values():
             torch.distributed.destroy_process_group(group)
         self.device_group = self.cpu_group = None
 
 
-@torch.library.custom_op("nano_v1::all_reduce", mutates_args=())
-def all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    """`GroupCoordinator.all_reduce` as an op Dynamo records whole (vLLM: torch.ops.vllm.all_reduce)."""
-    return _groups[group_name]._all_reduce_out_place(tensor)
-
-
-@all_reduce.register_fake
-def _(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(tensor)
-
-
-@torch.library.custom_op("nano_v1::all_gather", mutates_args=())
-def all_gather(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """`GroupCoordinator.all_gather` as an op Dynamo records whole (vLLM: torch.ops.vllm.all_gather)."""
-    return _groups[group_name]._all_gather_out_place(tensor, dim)
-
-
-@all_gather.register_fake
-def _(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    shape = list(tensor.shape)
-    shape[dim] *= _groups[group_name].world_size
-    return tensor.new_empty(shape)
-
-
 # A world of one, for a process that never set up distribution (see the module docstring).
-_SINGLE_PROCESS = GroupCoordinator([[0]], local_rank=0, torch_distributed_backend="gloo", group_name="single")
+_SINGLE_PROCESS = GroupCoordinator([[0]], local_rank=0, torch_distributed_backend="gloo")
 _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 
@@ -176,7 +137,7 @@ def init_distributed_environment(
             timeout=DISTRIBUTED_TIMEOUT,
         )
     if _WORLD is None:
-        _WORLD = GroupCoordinator([list(range(world_size))], local_rank, backend, group_name="world")
+        _WORLD = GroupCoordinator([list(range(world_size))], local_rank, backend)
     elif _WORLD.world_size != world_size:
         raise RuntimeError(
             f"this process already joined a world of {_WORLD.world_size} ranks, not {world_size}."
@@ -203,7 +164,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int, backend: str) -> 
         list(range(start, start + tensor_model_parallel_size))
         for start in range(0, world_size, tensor_model_parallel_size)
     ]
-    _TP = GroupCoordinator(group_ranks, get_world_group().local_rank, backend, group_name="tp")
+    _TP = GroupCoordinator(group_ranks, get_world_group().local_rank, backend)
     logger.info("rank %d of %d is tensor-parallel rank %d", _TP.rank, world_size, _TP.rank_in_group)
 
 

@@ -163,7 +163,11 @@ _CLI_GROUPS: list[tuple[str, type, list[str]]] = [
         ],
     ),
     ("device (DeviceConfig)", DeviceConfig, ["device"]),
-    ("parallelism (ParallelConfig)", ParallelConfig, ["tensor_parallel_size", "distributed_executor_backend"]),
+    (
+        "parallelism (ParallelConfig)",
+        ParallelConfig,
+        ["tensor_parallel_size", "distributed_executor_backend"],
+    ),
     (
         "KV cache (CacheConfig)",
         CacheConfig,

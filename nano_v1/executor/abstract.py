@@ -33,6 +33,8 @@ from nano_v1.worker.gpu_worker import Worker
 
 # Called (once, from any thread) when the executor can no longer run steps: a worker died.
 FailureCallback = Callable[[], None]
+# What collective_rpc runs on each worker: a Worker method's name, or a function f(worker, *args, **kwargs).
+RpcMethod = str | Callable[..., Any]
 
 
 class Executor:
@@ -62,12 +64,8 @@ class Executor:
         raise NotImplementedError
 
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
+        self, method: RpcMethod, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:  # fmt: skip
         """Run `Worker.<method>(*args, **kwargs)` (or `method(worker, *args, **kwargs)`) on every
         worker; one result per worker, in rank order."""
         raise NotImplementedError
@@ -117,12 +115,8 @@ class UniProcExecutor(Executor):
         return 0, 0, None
 
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
+        self, method: RpcMethod, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:  # fmt: skip
         return [run_method(self.driver_worker, method, args, kwargs or {})]
 
     def check_health(self) -> None:
@@ -169,5 +163,7 @@ class ExecutorWithExternalLauncher(UniProcExecutor):
         from nano_v1.distributed.parallel_state import get_world_group
 
         memory = torch.tensor(super().determine_available_memory(), dtype=torch.int64)
-        torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MIN, group=get_world_group().cpu_group)
+        torch.distributed.all_reduce(
+            memory, op=torch.distributed.ReduceOp.MIN, group=get_world_group().cpu_group
+        )
         return memory.tolist()

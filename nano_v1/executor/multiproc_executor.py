@@ -31,7 +31,6 @@ import multiprocessing.connection
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.connection import Connection
@@ -44,7 +43,7 @@ from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.distributed.device_communicators.shm_broadcast import Handle, MessageQueue, QueueCancelledError
 from nano_v1.engine import EngineDeadError
-from nano_v1.executor.abstract import Executor, FailureCallback
+from nano_v1.executor.abstract import Executor, FailureCallback, RpcMethod
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.utils import (
     exit_when_parent_dies,
@@ -75,6 +74,7 @@ class MultiprocExecutor(Executor):
         self.world_size = self.parallel_config.world_size
         self.shutdown_event = threading.Event()  # set at shutdown: cancels every wait on the queues
         self.failure_reason: str | None = None  # set when the executor fails for good
+        self._fail_lock = threading.Lock()
         self.failure_callback: FailureCallback | None = None
         # A ring of 8 chunks of 1 MiB: a SchedulerOutput larger than a chunk spans several.
         self.rpc_broadcast_mq = MessageQueue(self.world_size)
@@ -110,15 +110,19 @@ class MultiprocExecutor(Executor):
             executor = self_ref()
             if executor is None or executor.shutdown_event.is_set():
                 return  # we are shutting down: the workers are meant to exit
-            executor._fail(f"worker rank {died.rank} (pid {died.proc.pid}) died with exit code {died.proc.exitcode}")
+            executor._fail(
+                f"worker rank {died.rank} (pid {died.proc.pid}) died with exit code {died.proc.exitcode}"
+            )
 
         threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
 
     def _fail(self, reason: str) -> None:
-        """Fail for good: stop every worker, wake every wait, tell the engine core (once)."""
-        if self.failure_reason is not None:
-            return
-        self.failure_reason = reason
+        """Fail for good: stop every worker, wake every wait, tell the engine core (once, though the
+        monitor and the caller's thread may both get here)."""
+        with self._fail_lock:
+            if self.failure_reason is not None:
+                return
+            self.failure_reason = reason
         logger.error("the executor failed: %s; stopping the workers", reason)
         self.shutdown_event.set()
         _stop_workers(self.workers)
@@ -133,13 +137,9 @@ class MultiprocExecutor(Executor):
             self.failure_callback = callback
 
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: RpcMethod, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None,
         unique_reply_rank: int | None = None,
-    ) -> list[Any]:
+    ) -> list[Any]:  # fmt: skip
         """Broadcast one call to every worker; wait (up to `timeout` s) for the answers of every
         rank, or of `unique_reply_rank` alone. A function `method` travels by reference
         (pickle), so it must be importable by name: a module-level function, not a lambda."""
@@ -159,14 +159,16 @@ class MultiprocExecutor(Executor):
             self._fail(f"{method!r} took longer than {timeout} s")
             raise EngineDeadError(self.failure_reason) from None
 
-    def _get_response(self, handle: WorkerProcHandle, method: str | Callable[..., Any], deadline: float | None) -> Any:
+    def _get_response(self, handle: WorkerProcHandle, method: RpcMethod, deadline: float | None) -> Any:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         status, result = handle.worker_response_mq.dequeue(remaining, self.shutdown_event)
         if status == WorkerProc.ResponseStatus.FAILURE:
             error = f"worker rank {handle.rank} failed in {getattr(method, '__name__', method)}: {result}"
             self._fail(error)
             # The first cause (a peer's death, say) and this worker's own error, whichever came first.
-            raise EngineDeadError(error if self.failure_reason == error else f"{self.failure_reason}; {error}")
+            raise EngineDeadError(
+                error if self.failure_reason == error else f"{self.failure_reason}; {error}"
+            )
         return result
 
     def _check_alive(self) -> None:
@@ -192,7 +194,9 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _shutdown(workers: list[WorkerProcHandle], broadcast_mq: MessageQueue, shutdown_event: threading.Event) -> None:
+def _shutdown(
+    workers: list[WorkerProcHandle], broadcast_mq: MessageQueue, shutdown_event: threading.Event
+) -> None:
     shutdown_event.set()
     _stop_workers(workers)
     for queue in [broadcast_mq, *(handle.worker_response_mq for handle in workers)]:
@@ -249,7 +253,6 @@ class WorkerProc:
         self.worker.init_device()  # joins the other ranks: every worker must be starting at once
         self.worker.load_model()  # this rank's shard of every weight
 
-
     @staticmethod
     def make_worker_process(
         vllm_config: VllmConfig,
@@ -297,7 +300,9 @@ class WorkerProc:
                 [*waiting, *sentinels], timeout=max(0.0, deadline - time.monotonic())
             )
             if not ready:
-                raise RuntimeError(f"the worker processes were not ready within {WORKER_READY_TIMEOUT_S:.0f} s.")
+                raise RuntimeError(
+                    f"the worker processes were not ready within {WORKER_READY_TIMEOUT_S:.0f} s."
+                )
             for pipe in [p for p in waiting if p in ready or waiting[p].proc.sentinel in ready]:
                 handle = waiting.pop(pipe)
                 try:
@@ -313,30 +318,25 @@ class WorkerProc:
 
     @staticmethod
     def worker_main(
-        vllm_config: VllmConfig,
-        local_rank: int,
-        rank: int,
-        distributed_init_method: str,
-        input_shm_handle: Handle,
-        output_shm_handle: Handle,
-        ready_pipe: Connection,
-        death_pipe: Connection,
-        inherited_death_writer: Connection | None,
-        num_threads: int,
-    ) -> None:
-        """Entry point of a worker process: start, say READY (or why not), then serve calls until told to exit."""
+        ready_pipe: Connection, death_pipe: Connection, inherited_death_writer: Connection | None, num_threads: int,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        """Entry point of a worker process: start (`kwargs` are `WorkerProc`'s), say READY (or why not),
+        then serve calls until told to exit."""
         if inherited_death_writer is not None:
             inherited_death_writer.close()
-        threading.Thread(target=exit_when_parent_dies, args=(death_pipe,), daemon=True, name="WorkerDeathPipe").start()
+        threading.Thread(
+            target=exit_when_parent_dies, args=(death_pipe,), daemon=True, name="WorkerDeathPipe"
+        ).start()
         torch.set_num_threads(num_threads)
         try:
-            worker = WorkerProc(
-                vllm_config, local_rank, rank, distributed_init_method, input_shm_handle, output_shm_handle
-            )
+            worker = WorkerProc(**kwargs)
         except BaseException as e:
             # A ValueError (a checkpoint that does not fit, say) reaches the user as one.
-            error = e if isinstance(e, ValueError) else RuntimeError(
-                f"worker rank {rank} failed to start: {type(e).__name__}: {e}"
+            error = (
+                e
+                if isinstance(e, ValueError)
+                else RuntimeError(f"worker rank {kwargs['rank']} failed to start: {type(e).__name__}: {e}")
             )
             ready_pipe.send(("FAILED", error))
             raise
@@ -353,7 +353,9 @@ class WorkerProc:
                 output = run_method(self.worker, method, args, kwargs)
             except Exception as e:
                 if replies:
-                    self.worker_response_mq.enqueue((WorkerProc.ResponseStatus.FAILURE, f"{type(e).__name__}: {e}"))
+                    self.worker_response_mq.enqueue(
+                        (WorkerProc.ResponseStatus.FAILURE, f"{type(e).__name__}: {e}")
+                    )
                 raise  # fail-stop: the executor sees this process exit
             if replies:
                 self.worker_response_mq.enqueue((WorkerProc.ResponseStatus.SUCCESS, output))

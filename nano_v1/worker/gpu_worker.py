@@ -163,5 +163,7 @@ def init_worker_distributed_environment(
     parallel_config = vllm_config.parallel_config
     if parallel_config.world_size == 1:
         return
-    init_distributed_environment(parallel_config.world_size, rank, distributed_init_method, local_rank, backend)
+    init_distributed_environment(
+        parallel_config.world_size, rank, distributed_init_method, local_rank, backend
+    )
     ensure_model_parallel_initialized(parallel_config.tensor_parallel_size, backend)

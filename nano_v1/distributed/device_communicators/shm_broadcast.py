@@ -81,7 +81,14 @@ class ShmRingBuffer:
     def __reduce__(self):
         return (
             ShmRingBuffer._attach,
-            (self.n_reader, self.max_chunk_bytes, self.max_chunks, self.shared_memory.name, self.written, self.free),
+            (
+                self.n_reader,
+                self.max_chunk_bytes,
+                self.max_chunks,
+                self.shared_memory.name,
+                self.written,
+                self.free,
+            ),
         )
 
     @classmethod
@@ -137,7 +144,11 @@ class MessageQueue:
     """
 
     def __init__(
-        self, n_reader: int, max_chunk_bytes: int = 1 << 20, max_chunks: int = 8, reader_rank: int | None = None
+        self,
+        n_reader: int,
+        max_chunk_bytes: int = 1 << 20,
+        max_chunks: int = 8,
+        reader_rank: int | None = None,
     ) -> None:
         self.buffer = ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)
         self.reader_rank = reader_rank

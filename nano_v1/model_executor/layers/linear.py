@@ -127,7 +127,9 @@ class _ShardedColumnLinear(ColumnParallelLinear):
         """Copy rank r's row block of the checkpoint's shard `shard_id` into its place in the parameter."""
         self.check_shard_id(shard_id)
         check_shape(
-            (self.shard_sizes[shard_id], *param.shape[1:]), loaded_weight, f"shard {shard_id!r} of the parameter"
+            (self.shard_sizes[shard_id], *param.shape[1:]),
+            loaded_weight,
+            f"shard {shard_id!r} of the parameter",
         )
         offset, size = self.shard_offset_and_size(shard_id)
         param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
@@ -192,7 +194,9 @@ class QKVParallelLinear(_ShardedColumnLinear):
         self.check_shard_id(shard_id)
         num_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         check_shape(
-            (num_heads * self.head_size, *param.shape[1:]), loaded_weight, f"shard {shard_id!r} of the parameter"
+            (num_heads * self.head_size, *param.shape[1:]),
+            loaded_weight,
+            f"shard {shard_id!r} of the parameter",
         )
         # BEGIN TASK ch13_t1: copy this rank's heads of the q/k/v tensor into its place in the fused parameter (K/V: rank // num_kv_head_replicas)
         offset, size = self.shard_offset_and_size(shard_id)
