@@ -271,14 +271,18 @@ def test_vocab_parallel_layers_give_the_whole_vocabulary(tp2_llama, checkpoints,
 
 
 @pytest.mark.ch13_t2
-@pytest.mark.parametrize("name", ["o_proj", "down_proj"])
-def test_row_parallel_linear_sums_the_ranks_once(tp2_llama, checkpoints, name):
-    """Each rank multiplies its slice of the input; the all-reduce makes the whole output, bias once."""
+def test_row_parallel_linear_sums_the_ranks_once(checkpoints):
+    """Each rank multiplies its slice of the input; the all-reduce makes the whole output, bias once.
+
+    On an engine of its own: a failing forward ends its workers (fail-stop), and the shared
+    engine must survive for the other tests."""
     path = checkpoints["llama"]
-    x = layer_input(name, path)
-    whole = whole_output(name, path, x)
-    for output in tp2_llama.collective_rpc(tp_probes.run_layer, (name, x)):
-        torch.testing.assert_close(output, whole)
+    with engine(path, tensor_parallel_size=2, **SMALL_CACHE) as llm:
+        for name in ("o_proj", "down_proj"):
+            x = layer_input(name, path)
+            whole = whole_output(name, path, x)
+            for output in llm.collective_rpc(tp_probes.run_layer, (name, x)):
+                torch.testing.assert_close(output, whole)
 
 
 @pytest.mark.parametrize("planted_bug", sorted(tp_probes.PLANTED_ROW_BUGS))
@@ -512,6 +516,30 @@ def test_torchrun_external_launcher_gives_the_same_tokens(checkpoints, tmp_path)
     # Rank 1 offered twice the KV cache memory; every rank's engine takes the minimum.
     assert tokens["num_gpu_blocks"][0] == tokens["num_gpu_blocks"][1]
     assert tokens["tokens"] == hf_greedy(path, prompts, MAX_NEW)
+
+
+# ----------------------------------------------------------------------------- the command line
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_has_the_parallel_flags(command, capsys):
+    from nano_v1.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = capsys.readouterr().out
+    assert "--tensor-parallel-size" in help_text and "--distributed-executor-backend" in help_text
+
+
+def test_cli_generate_with_two_ranks_prints_what_one_rank_does(capsys):
+    """`nano-v1 generate --tensor-parallel-size 2` on the bundled model (in float32, so that the
+    two ranks' sums round like one rank's)."""
+    from nano_v1.entrypoints.cli import main
+
+    texts = []
+    for tp in ("1", "2"):
+        main(["generate", "def fibonacci(n):", "--max-tokens", "12", "--dtype", "float32",
+              "--tensor-parallel-size", tp, "--num-gpu-blocks-override", "64", "--max-model-len", "256"])  # fmt: skip
+        texts.append(capsys.readouterr().out)
+    assert texts[0].startswith("def fibonacci(n):") and texts[1] == texts[0]
 
 
 # ----------------------------------------------------------------------------- configuration at the boundary
