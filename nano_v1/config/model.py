@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nano_v1.config.parallel import ParallelConfig
-from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES
+from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES, is_multimodal_model
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,6 +64,9 @@ class ModelConfig:
     disable_cascade_attn: bool = False
     """Never run cascade attention over a shared prefix, even where the model says it pays (chapter 07)."""
     hf_config: Any = field(init=False, repr=False)
+    # The language model's part of hf_config: hf_config itself, or a multimodal model's
+    # text_config (chapter 11). Every shape accessor below reads this one.
+    hf_text_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -94,9 +97,10 @@ class ModelConfig:
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_text_config = self.hf_config.get_text_config()
         self.tokenizer = self.tokenizer or self.model
         self.dtype = self._resolve_dtype(self.dtype)
-        limit = self.hf_config.max_position_embeddings
+        limit = self.hf_text_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
         elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
@@ -116,6 +120,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
         return _DTYPES[dtype]
 
+    @property
+    def is_multimodal_model(self) -> bool:
+        """Whether the architecture takes images besides text (chapter 11)."""
+        return is_multimodal_model(self.hf_config.architectures)
+
     def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
         """Check that the model can be cut into `tensor_parallel_size` equal shards (chapter 13).
 
@@ -126,7 +135,7 @@ class ModelConfig:
         """
         tp = parallel_config.tensor_parallel_size
         num_heads, num_kv_heads = self.get_num_attention_heads(), self.get_num_kv_heads()
-        intermediate_size = self.hf_config.intermediate_size
+        intermediate_size = self.hf_text_config.intermediate_size
         if num_heads % tp:
             raise ValueError(
                 f"the model's {num_heads} attention heads cannot be split over tensor_parallel_size={tp} ranks: "
@@ -142,22 +151,23 @@ class ModelConfig:
                 f"the model's intermediate_size {intermediate_size} is not divisible by tensor_parallel_size={tp}."
             )
 
-    # Shape accessors, named as in vLLM's ModelConfig.
+    # Shape accessors of the language model, named as in vLLM's ModelConfig.
     def get_vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_text_config.vocab_size
 
     def get_hidden_size(self) -> int:
-        return self.hf_config.hidden_size
+        return self.hf_text_config.hidden_size
 
     def get_num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.hf_text_config.num_hidden_layers
 
     def get_num_attention_heads(self) -> int:
-        return self.hf_config.num_attention_heads
+        return self.hf_text_config.num_attention_heads
 
     def get_num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        config = self.hf_text_config
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     def get_head_size(self) -> int:
-        head_dim = getattr(self.hf_config, "head_dim", None)
-        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        config = self.hf_text_config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -15,7 +15,8 @@ nothing to undo.
 from __future__ import annotations
 
 from nano_v1.core.block_pool import BlockPool
-from nano_v1.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
+from nano_v1.core.kv_cache_utils import KVCacheBlock
+from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 
 
@@ -54,12 +55,28 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup: its `num_tokens` queried, `num_hit_tokens` hit.
+
+        The scheduler calls this once the request's `allocate_slots` succeeded, not at
+        `get_computed_blocks`: a request that fails to allocate stays waiting and looks
+        up again next step, and vLLM v0.11.0, which counts in `get_computed_blocks`,
+        counts it once per attempt (vllm-project/vllm#43736). A request resumed after
+        preemption is admitted, and counted, again, as in v0.11.0: it looks up its
+        prompt and its outputs so far. Nothing is counted with caching off (no lookup).
+        """
+        if not self.enable_caching:
+            return
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks matching the request's prefix.
 
-        Returns (blocks, number of tokens they hold). Takes no reference: the scheduler
-        may still fail to allocate the rest of the request, and then nothing must have
-        changed. It passes both values to `allocate_slots`, which touches the blocks.
+        Returns (blocks, number of tokens they hold). Changes nothing, not even the
+        statistics: the scheduler may still fail to allocate the rest of the request.
+        It passes both values to `allocate_slots`, which touches the blocks.
 
         At most num_tokens - 1 tokens can hit: the model must run on at least the last
         prompt token to produce the logits the first output token is sampled from. The
@@ -79,10 +96,6 @@ class KVCacheManager:
             computed_blocks.append(block)
         num_computed_tokens = len(computed_blocks) * self.block_size
         # END TASK
-
-        self.prefix_cache_stats.requests += 1
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_computed_tokens
         return computed_blocks, num_computed_tokens
 
     def allocate_slots(
@@ -92,6 +105,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for the request's next `num_new_tokens` tokens; all or nothing.
 
@@ -108,6 +122,10 @@ class KVCacheManager:
         Returns None if the free pool cannot cover the new blocks, and then changes
         nothing. Cache hits that sit in the free queue (ref_cnt 0) count against the
         free pool too: touching them takes them out of it.
+
+        With `full_sequence_must_fit` (the scheduler's `scheduler_reserve_full_isl`, on
+        admission) it also returns None unless the free pool could hold the request's whole
+        sequence, not just this chunk; it still allocates only this chunk's blocks.
 
         Otherwise returns only the freshly allocated blocks (possibly []). What the
         scheduler sends the runner:
@@ -146,7 +164,13 @@ class KVCacheManager:
         num_evictable_computed_blocks = (
             sum(block.ref_cnt == 0 for block in new_computed_blocks) if new_computed_blocks else 0
         )
-        if num_new_blocks + num_evictable_computed_blocks > self.block_pool.get_num_free_blocks():
+        num_blocks_to_check = num_new_blocks
+        if full_sequence_must_fit:
+            num_full_sequence_blocks = -(-min(request.num_tokens, self.max_model_len) // self.block_size)
+            num_blocks_to_check = max(
+                num_new_blocks, num_full_sequence_blocks - len(req_blocks) - len(new_computed_blocks)
+            )
+        if num_blocks_to_check + num_evictable_computed_blocks > self.block_pool.get_num_free_blocks():
             return None
 
         # Committed from here on. Touch the hits first, so that get_new_blocks cannot
@@ -188,10 +212,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (and nothing done) while requests hold blocks."""
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
+        return self.block_pool.reset_prefix_cache()
 
     def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> int:
         """How many leading blocks every running request shares (for cascade attention, chapter 07).
@@ -202,6 +223,10 @@ class KVCacheManager:
         scheduled ones share a prefix.
         """
         assert request.status == RequestStatus.RUNNING
+        if not self.enable_caching:
+            # As vLLM v0.11.0 (KVCacheCoordinatorNoPrefixCache): without prefix caching no
+            # block is shared by design, so cascade attention is never asked for.
+            return 0
         num_common_blocks = 0
         for block in self.req_to_blocks.get(request.request_id, []):
             if block.ref_cnt != num_running_requests:
