@@ -43,7 +43,7 @@ pytestmark = pytest.mark.ch13
 
 MAX_NEW = 12
 # Small caches: a KV cache of the default 1 GiB per rank would dominate every start.
-SMALL_CACHE = dict(num_gpu_blocks_override=64, max_model_len=256)
+SMALL_CACHE = {"num_gpu_blocks_override": 64, "max_model_len": 256}
 
 
 # ----------------------------------------------------------------------------- checkpoints and engines
@@ -52,7 +52,10 @@ CHECKPOINTS = {
     "qwen2": ("qwen2", {}),  # biased q/k/v
     # Biases on o_proj and down_proj (RowParallelLinear adds them once), one KV head
     # replicated on both ranks, a vocabulary of 500 padded to 512 (rank 1 holds 12 padding rows).
-    "llama": ("llama", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1, vocab_size=500)),
+    "llama": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1, "vocab_size": 500},
+    ),
 }
 
 
@@ -167,7 +170,12 @@ def test_tp2_greedy_equals_tp1_and_transformers(checkpoints, name, monkeypatch):
     path = checkpoints[name]
     prompts = prompts_for(path)
     expected = hf_greedy(path, prompts, MAX_NEW)
-    settings = dict(block_size=16, max_model_len=208, num_gpu_blocks_override=14, max_num_batched_tokens=32)
+    settings = {
+        "block_size": 16,
+        "max_model_len": 208,
+        "num_gpu_blocks_override": 14,
+        "max_num_batched_tokens": 32,
+    }
     with engine(path, **settings) as llm:
         assert greedy(llm, prompts) == expected
     preempted = []
@@ -546,10 +554,10 @@ def test_cli_generate_with_two_ranks_prints_what_one_rank_does(capsys):
 @pytest.mark.parametrize(
     "engine_args, message",
     [
-        (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
-        (dict(tensor_parallel_size=3), "4 attention heads cannot be split over tensor_parallel_size=3"),
-        (dict(tensor_parallel_size=4, distributed_executor_backend="uni"), "'uni' runs one worker"),
-        (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be one of"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"tensor_parallel_size": 3}, "4 attention heads cannot be split over tensor_parallel_size=3"),
+        ({"tensor_parallel_size": 4, "distributed_executor_backend": "uni"}, "'uni' runs one worker"),
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend must be one of"),
     ],
 )
 def test_bad_parallel_arguments_are_rejected(checkpoints, engine_args, message):

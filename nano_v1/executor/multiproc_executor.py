@@ -268,19 +268,19 @@ class WorkerProc:
         death_reader, death_writer = context.Pipe(duplex=False)
         proc = context.Process(
             target=WorkerProc.worker_main,
-            kwargs=dict(
-                vllm_config=vllm_config,
-                local_rank=local_rank,
-                rank=rank,
-                distributed_init_method=distributed_init_method,
-                input_shm_handle=input_shm_handle,
-                output_shm_handle=response_mq.export_handle(),
-                ready_pipe=ready_writer,
-                death_pipe=death_reader,
+            kwargs={
+                "vllm_config": vllm_config,
+                "local_rank": local_rank,
+                "rank": rank,
+                "distributed_init_method": distributed_init_method,
+                "input_shm_handle": input_shm_handle,
+                "output_shm_handle": response_mq.export_handle(),
+                "ready_pipe": ready_writer,
+                "death_pipe": death_reader,
                 # A forked child inherits our end of its death pipe and must close it, or it never sees EOF.
-                inherited_death_writer=death_writer if context.get_start_method() == "fork" else None,
-                num_threads=num_threads,
-            ),
+                "inherited_death_writer": death_writer if context.get_start_method() == "fork" else None,
+                "num_threads": num_threads,
+            },
             name=f"VllmWorker-{rank}",
             daemon=True,
         )
