@@ -235,6 +235,7 @@ def test_piecewise_compiled_model_matches_transformers(llava_llama, llama_refere
     assert got == expected
 
 
+@pytest.mark.slow
 @pytest.mark.ch13
 def test_tensor_parallel_model_matches_transformers(llava_llama, llama_reference):
     """TP=2 (two gloo worker processes): each rank holds one of CLIP's two heads, half the
