@@ -131,7 +131,7 @@ class StageTimer:
     """Charge the time of every wrapped method call to its stage, while active."""
 
     def __init__(self, core: EngineCore, output_processor: OutputProcessor) -> None:
-        runner = core.model_executor.model_runner
+        runner = core.model_executor.driver_worker.model_runner
         self.targets = [
             (core.scheduler, "schedule", "schedule"),
             (runner, "_update_states", "prepare inputs"),

@@ -34,7 +34,7 @@ MAX_NEW = 12
 
 
 def runner_of(llm: LLM) -> GPUModelRunner:
-    return llm.llm_engine.engine_core.engine_core.model_executor.model_runner
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +254,7 @@ def test_piecewise_capture_at_start_up_then_replay_padded_sizes(
     # Start-up: every dense piece at every size, largest first.
     assert events == [("capture", "PIECEWISE", n) for n in (8, 4, 2, 1) for _ in range(num_dense)]
     events.clear()
-    runner = engine.engine_core.engine_core.model_executor.model_runner
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.model_runner
     steps: list[int] = []
     execute_model = runner.execute_model
 

@@ -235,6 +235,26 @@ def test_piecewise_compiled_model_matches_transformers(llava_llama, llama_refere
     assert got == expected
 
 
+@pytest.mark.slow
+@pytest.mark.ch13
+def test_tensor_parallel_model_matches_transformers(llava_llama, llama_reference):
+    """TP=2 (two gloo worker processes): each rank holds one of CLIP's two heads, half the
+    projector and half the decoder; the tokens stay transformers'."""
+    prompts, expected = llama_reference
+    llm = LLM(
+        model=llava_llama,
+        dtype="float32",
+        tensor_parallel_size=2,
+        num_gpu_blocks_override=64,
+        max_model_len=256,
+    )
+    try:
+        got, _ = nano_greedy(llm, prompts)
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == expected
+
+
 def test_engine_core_request_with_images_crosses_msgpack():
     pixel_values = torch.randn(3, 28, 28)
     from nano_v1.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange

@@ -15,9 +15,12 @@ defaults are the fields' defaults here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 from nano_v1 import envs
 from nano_v1.config.cache import CacheConfig
@@ -32,6 +35,8 @@ from nano_v1.config.model import ATTENTION_BACKENDS, ModelConfig
 from nano_v1.config.parallel import ParallelConfig
 from nano_v1.config.scheduler import SchedulerConfig
 from nano_v1.config.speculative import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -76,12 +81,35 @@ class VllmConfig:
                     f"VLLM_ATTENTION_BACKEND must be one of {list(ATTENTION_BACKENDS)}, "
                     f"got {model_config.attention_backend!r}."
                 )
+        model_config.verify_with_parallel_config(self.parallel_config)
+        self._verify_devices_for_ranks()
+        if self.parallel_config.world_size > 1 and self.device_config.device.startswith("cuda"):
+            # vLLM captures its own NCCL calls (pynccl, custom all-reduce) into graphs; torch's
+            # NCCL process group is not safe to capture, so the ranks run their steps ungraphed.
+            logger.warning("tensor_parallel_size > 1: no CUDA graphs (cudagraph_mode NONE)")
+            self.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         self.compilation_config.resolve(
             self.device_config.device,
             model_config.enforce_eager,
             self.scheduler_config.max_num_seqs,
             self.scheduler_config.max_num_batched_tokens,
         )
+
+    def _verify_devices_for_ranks(self) -> None:
+        """With several ranks on CUDA, rank r uses cuda:r of this machine (vLLM: local_rank)."""
+        device, tp = self.device_config.device, self.parallel_config.world_size
+        if tp == 1 or not device.startswith("cuda"):
+            return
+        if device != "cuda":
+            raise ValueError(
+                f"with tensor_parallel_size={tp} every rank uses its own GPU (rank r on cuda:r); "
+                f"pass device='cuda', not {device!r} (CUDA_VISIBLE_DEVICES chooses which GPUs)."
+            )
+        if self.parallel_config.distributed_executor_backend == "mp" and tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, but {torch.cuda.device_count()} "
+                "are visible."
+            )
 
 
 # The config of the engine being built, for code that runs while the model's modules are

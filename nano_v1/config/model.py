@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from nano_v1.config.parallel import ParallelConfig
 from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES, is_multimodal_model
 
 _DTYPES = {
@@ -123,6 +124,32 @@ class ModelConfig:
     def is_multimodal_model(self) -> bool:
         """Whether the architecture takes images besides text (chapter 11)."""
         return is_multimodal_model(self.hf_config.architectures)
+
+    def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
+        """Check that the model can be cut into `tensor_parallel_size` equal shards (chapter 13).
+
+        Query heads and the MLP's intermediate size are split evenly; KV heads are split
+        when there are at least as many as ranks, else each is replicated on
+        `tp / num_kv_heads` ranks, so one count must divide the other. The vocabulary is
+        padded to a multiple of the ranks, so it needs no check.
+        """
+        tp = parallel_config.tensor_parallel_size
+        num_heads, num_kv_heads = self.get_num_attention_heads(), self.get_num_kv_heads()
+        intermediate_size = self.hf_text_config.intermediate_size
+        if num_heads % tp:
+            raise ValueError(
+                f"the model's {num_heads} attention heads cannot be split over tensor_parallel_size={tp} ranks: "
+                "tensor_parallel_size must divide num_attention_heads."
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"the model's {num_kv_heads} KV heads cannot be split over (or replicated on) {tp} ranks: "
+                "one of num_key_value_heads and tensor_parallel_size must divide the other."
+            )
+        if intermediate_size % tp:
+            raise ValueError(
+                f"the model's intermediate_size {intermediate_size} is not divisible by tensor_parallel_size={tp}."
+            )
 
     # Shape accessors of the language model, named as in vLLM's ModelConfig.
     def get_vocab_size(self) -> int:

@@ -80,6 +80,8 @@ class EngineCoreRequestType(enum.Enum):
     ADD = b"\x00"  # an EngineCoreRequest
     ABORT = b"\x01"  # a list of request ids
     UTILITY = b"\x02"  # (call_id, method name, args)
+    # Never on the wire: the executor's failure callback puts it on the input queue (chapter 13).
+    EXECUTOR_FAILED = b"\x03"
 
 
 class EngineDeadError(Exception):

@@ -22,6 +22,7 @@ from nano_v1.config import (
     CompilationConfig,
     DeviceConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
@@ -45,6 +46,9 @@ class EngineArgs:
     disable_cascade_attn: bool = ModelConfig.disable_cascade_attn
     # DeviceConfig
     device: str = DeviceConfig.device
+    # ParallelConfig
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     # CacheConfig
     block_size: int = CacheConfig.block_size
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
@@ -138,6 +142,10 @@ class EngineArgs:
                 disable_chunked_mm_input=self.disable_chunked_mm_input,
             ),
             device_config=DeviceConfig(self.device),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
             compilation_config=CompilationConfig.from_arg(self.compilation_config),
             speculative_config=None
             if self.speculative_config is None
@@ -163,6 +171,11 @@ _CLI_GROUPS: list[tuple[str, type, list[str]]] = [
         ],
     ),
     ("device (DeviceConfig)", DeviceConfig, ["device"]),
+    (
+        "parallelism (ParallelConfig)",
+        ParallelConfig,
+        ["tensor_parallel_size", "distributed_executor_backend"],
+    ),
     (
         "KV cache (CacheConfig)",
         CacheConfig,

@@ -1,10 +1,12 @@
-"""The engine core: scheduler + worker, and the step that joins them.
+"""The engine core: scheduler + executor, and the step that joins them.
 
-Mirrors vllm/v1/engine/core.py (chapters 02, 04 and 09).
+Mirrors vllm/v1/engine/core.py (chapters 02, 04, 09 and 13).
 
 Why it is this small: everything clever lives in the scheduler (what to run) and the
 model runner (how to run it). One `step()` is schedule -> execute -> update, and data
 only flows forward: `SchedulerOutput` -> `ModelRunnerOutput` -> `EngineCoreOutputs`.
+The core reaches the workers only through an executor (chapter 13): one worker in this
+process, or one worker process per tensor-parallel rank.
 Chapter 09 wraps this class in a process with a busy loop (`EngineCoreProc`): two IO
 threads move messages between ZMQ sockets and in-process queues, so that socket and
 (de)serialization work overlaps the model, and the busy loop touches only queues.
@@ -13,8 +15,9 @@ threads move messages between ZMQ sockets and in-process queues, so that socket 
 from __future__ import annotations
 
 import logging
-import os
+import multiprocessing
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -26,9 +29,16 @@ import torch
 from nano_v1.config import VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.scheduler import Scheduler
-from nano_v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput
+from nano_v1.engine import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineDeadError,
+    UtilityOutput,
+)
+from nano_v1.executor import Executor
 from nano_v1.request import Request, RequestStatus
-from nano_v1.worker.gpu_worker import Worker
+from nano_v1.utils import exit_when_parent_dies
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +46,13 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
-        self.model_executor = Worker(vllm_config)
-        self.model_executor.init_device()
-        self.model_executor.load_model()
-        self._initialize_kv_caches()
-        self.model_executor.compile_or_warm_up_model()
+        # Starts the workers, initialises their devices and loads the model on each.
+        self.model_executor = Executor.get_class(vllm_config)(vllm_config)
+        try:
+            self._initialize_kv_caches()
+        except BaseException:
+            self.model_executor.shutdown()  # no worker process outlives a failed start
+            raise
         self.scheduler = Scheduler(vllm_config)
         cache_config = vllm_config.cache_config
         self.request_block_hasher = (
@@ -48,15 +60,20 @@ class EngineCore:
         )
 
     def _initialize_kv_caches(self) -> None:
-        """Size the paged KV cache from the memory left after the model (chapter 02)."""
+        """Size the paged KV cache from the memory left after the model (chapter 02), then
+        allocate it on every rank and compile (chapter 08).
+
+        Every rank holds the same block ids (a block is a slot range in each rank's cache of
+        its own heads), so the block count is what the tightest rank can hold.
+        """
         cache_config = self.vllm_config.cache_config
         max_model_len = self.vllm_config.model_config.max_model_len
         start = time.perf_counter()
-        page_size = self.model_executor.get_kv_cache_page_size()  # bytes per block, all layers
+        page_size = self.model_executor.get_kv_cache_page_size()  # bytes per block on one rank, all layers
         if cache_config.num_gpu_blocks_override is not None:
             num_blocks = cache_config.num_gpu_blocks_override
         else:
-            num_blocks = self.model_executor.determine_available_memory() // page_size
+            num_blocks = min(self.model_executor.determine_available_memory()) // page_size
         # Block 0 is the null block, never handed out: one request of max_model_len must fit in the rest.
         capacity = (num_blocks - 1) * cache_config.block_size
         if capacity < max_model_len:
@@ -66,9 +83,9 @@ class EngineCore:
                 "(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)."
             )
         cache_config.num_gpu_blocks = num_blocks
-        self.model_executor.initialize_kv_cache(num_blocks)
+        self.model_executor.initialize_from_config(num_blocks)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB) in %.2f s",
+            "KV cache: %d blocks x %d tokens (%.1f MiB per rank) in %.2f s",
             num_blocks, cache_config.block_size, num_blocks * page_size / 2**20, time.perf_counter() - start,
         )
 
@@ -117,12 +134,15 @@ class EngineCore:
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
         """Run `method` on every worker and return one result per worker (vLLM's name).
 
-        `method` is a `Worker` method's name, or, in-process only, a function called as
-        `method(worker, *args)`. With one worker the list has one entry.
+        `method` is a `Worker` method's name, or a function called as `method(worker, *args)`
+        (with worker processes it travels by reference, so a module-level function). One
+        entry per tensor-parallel rank.
         """
-        if isinstance(method, str):
-            return [getattr(self.model_executor, method)(*args)]
-        return [method(self.model_executor, *args)]
+        return self.model_executor.collective_rpc(method, args=args)
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, if any)."""
+        self.model_executor.shutdown()
 
     def get_kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by requests (0.0 once every request has finished)."""
@@ -144,9 +164,20 @@ class EngineCoreProc(EngineCore):
     ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
     def __init__(self, vllm_config: VllmConfig, input_address: str, output_address: str) -> None:
+        if vllm_config.parallel_config.distributed_executor_backend == "external_launcher":
+            # Requests reach this loop whenever they arrive, so the ranks' engines could schedule
+            # different steps (nano_v1/executor/abstract.py::ExecutorWithExternalLauncher).
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' runs each rank's engine core in the rank's "
+                "own process: use LLM (it keeps the core in-process), not the server or an engine-core process."
+            )
         super().__init__(vllm_config)
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes] = queue.Queue()
+        # A worker that dies while this loop is idle (blocked on the input queue) must still end it.
+        self.model_executor.register_failure_callback(
+            lambda: self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, None))
+        )
         # The IO threads release the GIL while they block on a socket or a queue, and msgspec
         # releases it too, so their work runs while the busy loop is inside the model.
         ready = threading.Event()
@@ -173,11 +204,20 @@ class EngineCoreProc(EngineCore):
         living on as an orphan. `parent_conn` is the frontend's end, which a forked child
         inherits and must close, or it would never see that EOF. `num_threads`: torch's CPU
         threads in the frontend, which a new process would not inherit.
+
+        The frontend starts this process as a daemon (it is terminated if the frontend exits
+        without shutting it down), but a daemon may not start processes of its own, and with
+        tensor parallelism the executor here starts the workers (as vLLM's engine core does).
+        So the process clears its own daemon flag; the frontend still treats it as one. A
+        SIGTERM (the client's shutdown) becomes SystemExit, so the workers are stopped and
+        the shared memory removed on the way out.
         """
         if parent_conn is not None:
             parent_conn.close()
+        multiprocessing.current_process().daemon = False
+        signal.signal(signal.SIGTERM, _raise_system_exit)
         torch.set_num_threads(num_threads)
-        threading.Thread(target=_exit_when_parent_dies, args=(conn,), daemon=True, name="DeathPipe").start()
+        threading.Thread(target=exit_when_parent_dies, args=(conn,), daemon=True, name="DeathPipe").start()
         try:
             engine_core = EngineCoreProc(vllm_config, input_address, output_address)
         except BaseException as e:
@@ -187,10 +227,14 @@ class EngineCoreProc(EngineCore):
         conn.send(("READY", vllm_config.cache_config.num_gpu_blocks))
         try:
             engine_core.run_busy_loop()
+        except SystemExit:
+            pass  # terminated by the client: a normal shutdown
         except BaseException:
             logger.exception("the engine core failed; telling the client")
             engine_core._send_engine_dead()
             raise
+        finally:
+            engine_core.shutdown()
 
     def run_busy_loop(self) -> None:
         """Drain the input queue (blocking only when idle), step, push outputs; forever."""
@@ -217,6 +261,8 @@ class EngineCoreProc(EngineCore):
             self.add_request(request)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(request)
+        elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
+            raise EngineDeadError("the executor failed: a worker process died (see its log above)")
         else:
             call_id, method_name, args = request
             output = UtilityOutput(call_id)
@@ -268,10 +314,5 @@ class EngineCoreProc(EngineCore):
                 socket.send(encoder.encode(outputs))
 
 
-def _exit_when_parent_dies(conn: Connection) -> None:
-    """Block on the death pipe; when the frontend's end closes (it exited or died), exit."""
-    try:
-        conn.recv()
-    except EOFError:
-        pass
-    os._exit(0)
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(f"terminated by signal {signum}")

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.context
 import queue
 import shutil
 import tempfile
@@ -48,6 +47,7 @@ from nano_v1.engine import (
     UtilityOutput,
 )
 from nano_v1.engine.core import EngineCore, EngineCoreProc
+from nano_v1.utils import get_mp_context, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ class InprocClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return getattr(self.engine_core, method)(*args)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
 
 @dataclass
@@ -181,7 +184,7 @@ class MPClient(EngineCoreClient):
 
     def _start_engine_core(self, vllm_config: VllmConfig, input_address: str, output_address: str):
         """Start the engine-core process; return once it reports READY (or raise what it raised)."""
-        ctx = _multiproc_context()
+        ctx = get_mp_context()
         parent_conn, child_conn = ctx.Pipe()
         forked = ctx.get_start_method() == "fork"
         proc = ctx.Process(
@@ -197,7 +200,7 @@ class MPClient(EngineCoreClient):
             name="EngineCore",
             daemon=True,
         )
-        proc.start()
+        start_process(proc)
         child_conn.close()
         self.resources.proc, self.resources.parent_conn = proc, parent_conn
         # Wait for the handshake, or for the process to die before it could send one.
@@ -241,24 +244,6 @@ class MPClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self._finalizer()
-
-
-def _multiproc_context() -> multiprocessing.context.BaseContext:
-    """How to start the engine-core process (VLLM_WORKER_MULTIPROC_METHOD overrides).
-
-    `fork` is unsafe here: once the frontend has run a multi-threaded torch op (OpenMP's
-    thread pool exists) or touched CUDA, a forked child can deadlock in its first op; we
-    measured exactly that hang on this CPU. vLLM therefore spawns on CPU, paying the import
-    of torch in every child. We default to `forkserver`: a clean server process imports the
-    engine once, and every engine core is forked from it, so it is as safe as `spawn` and
-    only the first start pays the imports.
-    """
-    from nano_v1 import envs
-
-    ctx = multiprocessing.get_context(envs.worker_multiproc_method() or "forkserver")
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["nano_v1.engine.core"])
-    return ctx
 
 
 def _route_output(

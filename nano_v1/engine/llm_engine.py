@@ -65,10 +65,15 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, enable_multiprocessing: bool | None = None) -> "LLMEngine":
-        """`enable_multiprocessing=None` follows VLLM_ENABLE_V1_MULTIPROCESSING (default: on)."""
+        """`enable_multiprocessing=None` follows VLLM_ENABLE_V1_MULTIPROCESSING (default: on), except
+        under torchrun (`external_launcher`), where every rank's engine core stays in its process
+        so that all ranks schedule the same steps (chapter 13; vLLM does the same)."""
+        vllm_config = engine_args.create_engine_config()
         if enable_multiprocessing is None:
-            enable_multiprocessing = envs.enable_v1_multiprocessing()
-        return cls(engine_args.create_engine_config(), multiprocess_mode=enable_multiprocessing)
+            enable_multiprocessing = envs.enable_v1_multiprocessing() and (
+                vllm_config.parallel_config.distributed_executor_backend != "external_launcher"
+            )
+        return cls(vllm_config, multiprocess_mode=enable_multiprocessing)
 
     def get_tokenizer(self):
         return self.tokenizer

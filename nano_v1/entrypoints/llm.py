@@ -71,9 +71,11 @@ class LLM:
         """Run a worker method (by name) or a function `f(worker, *args)` on every worker; one result each.
 
         vLLM's hook for reaching into the workers; the benchmarks time steps with it
-        (`collective_rpc("start_step_timing")`). A function works only with the engine core
-        in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, or `from_engine_args(...,
-        enable_multiprocessing=False)`): it cannot be sent to another.
+        (`collective_rpc("start_step_timing")`). With tensor parallelism there is one result
+        per rank. A function works only with the engine core in this process
+        (VLLM_ENABLE_V1_MULTIPROCESSING=0, or `from_engine_args(..., enable_multiprocessing=False)`),
+        and with worker processes (tensor_parallel_size > 1) it travels by reference, so it
+        must be a module-level function.
         """
         return self.llm_engine.collective_rpc(method, args)
 

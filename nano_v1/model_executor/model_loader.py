@@ -7,8 +7,9 @@ Why it exists: a checkpoint directory is a `config.json` plus `*.safetensors` fi
 tensors. The model is built empty, directly on the device and in the serving dtype (no
 float32 copy on the CPU first), and then the tensors are streamed in one at a time, each
 handed to its parameter's `weight_loader`, which knows where the tensor goes (a fused
-projection takes several checkpoint tensors). Peak host memory stays at one tensor, not one
-model. The dummy format skips the checkpoint entirely, for benchmarks of shapes only.
+projection takes several checkpoint tensors; with tensor parallelism each rank's loader keeps
+only its slice, chapter 13). Peak host memory stays at one tensor, not one model. The dummy
+format skips the checkpoint entirely, for benchmarks of shapes only.
 """
 
 from __future__ import annotations
@@ -22,23 +23,28 @@ import torch
 from torch import nn
 
 from nano_v1.config import set_current_vllm_config
+from nano_v1.distributed import get_tensor_model_parallel_world_size
 
 if TYPE_CHECKING:
     from nano_v1.config import VllmConfig
 
 
-def check_shape(target: torch.Tensor, loaded_weight: torch.Tensor, where: str = "the parameter") -> None:
-    """Raise a ValueError naming both shapes if a checkpoint tensor does not fit its destination."""
-    if target.shape != loaded_weight.shape:
+def check_shape(expected: tuple[int, ...], loaded_weight: torch.Tensor, where: str = "the parameter") -> None:
+    """Raise a ValueError naming both shapes if a checkpoint tensor is not of the `expected` (whole) shape.
+
+    Sharded layers check the whole tensor the checkpoint must hold before they take their
+    rank's slice of it, so a wrong checkpoint fails the same way at any tensor-parallel size.
+    """
+    if tuple(loaded_weight.shape) != tuple(expected):
         raise ValueError(
             f"shape mismatch: the checkpoint tensor has shape {tuple(loaded_weight.shape)} "
-            f"but {where} has shape {tuple(target.shape)}"
+            f"but {where} expects shape {tuple(expected)}"
         )
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copy a checkpoint tensor into a parameter of the same shape (on its device, in its dtype)."""
-    check_shape(param, loaded_weight)
+    check_shape(param.shape, loaded_weight)
     param.data.copy_(loaded_weight)
 
 
@@ -133,10 +139,18 @@ def get_model(vllm_config: VllmConfig, device: torch.device) -> nn.Module:
     """Build the model class that the checkpoint's `architectures` name and load its weights.
 
     The modules are built under `set_current_vllm_config`, which is how each `Attention`
-    layer finds the backend the config chose.
+    layer finds the backend the config chose, and each sharded layer takes its rank's
+    slice from the process's tensor-parallel group (chapter 13).
     """
     from nano_v1.model_executor.models import resolve_model_cls
 
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if get_tensor_model_parallel_world_size() != tp_size:
+        # Built outside its workers, every layer would silently be whole (or the wrong slice).
+        raise RuntimeError(
+            f"tensor_parallel_size={tp_size}, but this process's tensor-parallel group has "
+            f"{get_tensor_model_parallel_world_size()} rank(s): build the model in a worker (Worker.load_model)."
+        )
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config
     model_cls = resolve_model_cls(list(getattr(hf_config, "architectures", None) or []))

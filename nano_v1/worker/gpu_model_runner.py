@@ -88,6 +88,11 @@ class GPUModelRunner:
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
         self.max_num_reqs = self.scheduler_config.max_num_seqs
         self.block_size = self.cache_config.block_size
+        # This rank's attention heads (chapter 13): a tp-th of the query heads, and of the KV
+        # heads too, or one KV head when there are fewer than ranks (QKVParallelLinear's rule).
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.num_query_heads = self.model_config.get_num_attention_heads() // tp_size
+        self.num_kv_heads = max(1, self.model_config.get_num_kv_heads() // tp_size)
 
         self.model: nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
@@ -185,9 +190,9 @@ class GPUModelRunner:
             self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        model_config = self.model_config
+        """One layer's cache on this rank: only this rank's KV heads."""
         return self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, model_config.get_num_kv_heads(), model_config.get_head_size()
+            num_blocks, self.block_size, self.num_kv_heads, self.model_config.get_head_size()
         )
 
     def get_kv_cache_page_size(self) -> int:
@@ -677,8 +682,8 @@ class GPUModelRunner:
         use_cascade = self.attn_metadata_builder.use_cascade_attention(
             common_prefix_len=common_prefix_len,
             query_lens=num_scheduled_tokens,
-            num_query_heads=self.model_config.get_num_attention_heads(),
-            num_kv_heads=self.model_config.get_num_kv_heads(),
+            num_query_heads=self.num_query_heads,
+            num_kv_heads=self.num_kv_heads,
             use_alibi=False,  # nano_v1's models have none of these variants
             use_sliding_window=False,
             use_local_attention=False,

@@ -5,8 +5,9 @@ Mirrors vllm/v1/worker/gpu_worker.py (chapter 02).
 Why it exists: the engine core speaks to "a worker" and never to a device. The worker
 owns device setup (which GPU, the seed), answers how much memory is left for the KV
 cache once the model and its largest step fit, and forwards each step to the model
-runner. With tensor parallelism (chapter 13) there is one worker per GPU behind the
-same interface.
+runner. With tensor parallelism (chapter 13) there is one worker per rank, each in its
+own process, behind the same interface: `init_device` joins the ranks through
+torch.distributed before the model is built, so that each layer can take its shard.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import torch
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.distributed.parallel_state import (
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput, StepTiming
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -29,9 +36,20 @@ class Worker:
     """Call order: init_device, load_model, get_kv_cache_page_size / determine_available_memory,
     initialize_kv_cache, compile_or_warm_up_model, then execute_model once per step."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int = 0,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        """`rank` among all workers, `local_rank` its device index on this machine;
+        `distributed_init_method` is where the ranks meet (None with a single rank)."""
         self.vllm_config = vllm_config
         self.cache_config = vllm_config.cache_config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
         self.init_free_memory = 0  # bytes free on the GPU before the model was loaded
@@ -40,7 +58,7 @@ class Worker:
         self.device = torch.device(self.vllm_config.device_config.device)
         if self.device.type == "cuda":
             if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
+                self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
             self.init_free_memory, total = torch.cuda.mem_get_info(self.device)
@@ -51,6 +69,11 @@ class Worker:
                     f"{requested / GiB:.2f} GiB of {self.device}, but only {self.init_free_memory / GiB:.2f} GiB "
                     "is free: lower gpu_memory_utilization or free the GPU."
                 )
+        init_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+        )  # fmt: skip
+        # Every rank seeds alike: they sample the same tokens from the same gathered logits.
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = GPUModelRunner(self.vllm_config, self.device)
 
@@ -110,6 +133,15 @@ class Worker:
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.model_runner.take_draft_token_ids()
 
+    def check_health(self) -> None:
+        """Answering at all is the check (the multiprocess executor calls it with a timeout)."""
+
+    def shutdown(self) -> None:
+        """Leave the ranks' groups (a single rank joined none)."""
+        if self.vllm_config.parallel_config.world_size > 1:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
     def start_step_timing(self) -> None:
         """Record a `StepTiming` for every step from now on (benchmarks call this by `collective_rpc`)."""
         self.model_runner.step_timings = []
@@ -118,3 +150,20 @@ class Worker:
         """Stop recording; return the steps recorded since `start_step_timing`."""
         timings, self.model_runner.step_timings = self.model_runner.step_timings or [], None
         return timings
+
+
+def init_worker_distributed_environment(
+    vllm_config: VllmConfig, rank: int, distributed_init_method: str | None, local_rank: int, backend: str
+) -> None:
+    """Join the tensor-parallel ranks (vLLM's function of the same name).
+
+    A single rank sets nothing up: the default world of one stands (see
+    nano_v1/distributed/parallel_state.py).
+    """
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.world_size == 1:
+        return
+    init_distributed_environment(
+        parallel_config.world_size, rank, distributed_init_method, local_rank, backend
+    )
+    ensure_model_parallel_initialized(parallel_config.tensor_parallel_size, backend)

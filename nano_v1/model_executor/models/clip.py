@@ -51,20 +51,21 @@ class CLIPAttention(nn.Module):
 
     def __init__(self, config: CLIPVisionConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
+        total_num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // total_num_heads
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_heads, bias=True
+            config.hidden_size, self.head_dim, total_num_heads, total_num_heads, bias=True
         )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads: total / tp (chapter 13)
         self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        num_images, seq_len, hidden_size = hidden_states.shape
-        qkv = self.qkv_proj(hidden_states)  # [num_images, seq_len, 3 * hidden_size]
+        num_images, seq_len, _ = hidden_states.shape
+        qkv = self.qkv_proj(hidden_states)  # [num_images, seq_len, 3 * num_heads * head_dim]
         # -> 3 x [num_images, num_heads, seq_len, head_dim]
         q, k, v = qkv.view(num_images, seq_len, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
-        return self.out_proj(out.transpose(1, 2).reshape(num_images, seq_len, hidden_size))
+        return self.out_proj(out.transpose(1, 2).reshape(num_images, seq_len, self.num_heads * self.head_dim))
 
 
 class CLIPMLP(nn.Module):

@@ -56,26 +56,33 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        return self.down_proj(self.act_fn(gate_up))
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]: this rank's gate | up
+        return self.down_proj(self.act_fn(gate_up))  # [num_tokens, hidden_size], summed over the ranks
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection."""
+    """Fused QKV projection, RoPE, paged attention, output projection.
+
+    With tensor parallelism (chapter 13) this rank holds `num_heads` of the query heads and
+    `num_kv_heads` KV heads (`QKVParallelLinear` decides which), attends over them alone,
+    and `o_proj` sums the ranks' contributions.
+    """
 
     def __init__(self, config: PretrainedConfig, prefix: str) -> None:
         super().__init__()
         hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden_size // total_num_heads
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(
-            hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
+            hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias
         )
-        self.o_proj = RowParallelLinear(self.q_size, hidden_size, bias=o_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=o_bias)
         rope_theta, rope_scaling = get_rope_config(config)
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -99,12 +106,12 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size], this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)  # [num_tokens, q_size]
-        return self.o_proj(attn_output)
+        return self.o_proj(attn_output)  # [num_tokens, hidden_size], summed over the ranks
 
 
 class LlamaDecoderLayer(nn.Module):

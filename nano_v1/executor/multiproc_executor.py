@@ -1,0 +1,361 @@
+"""One worker process per tensor-parallel rank, driven through shared-memory queues.
+
+Mirrors vllm/v1/executor/multiproc_executor.py (`MultiprocExecutor`, `WorkerProc`,
+`WorkerProcHandle`) (chapter 13).
+
+Why it exists: with tensor parallelism every rank must run every step, and each rank
+needs its own process (its own GPU, its own torch.distributed rank); rank 0 too, so the
+engine core's process only schedules. The executor starts the processes, and for each
+call puts one message `(method, args, kwargs, unique_reply_rank)` on a broadcast
+`MessageQueue` that every worker reads; each worker answers on its own response queue,
+and for `execute_model` only rank 0 answers (every rank samples the same tokens).
+
+    engine core ── enqueue ──▶ rpc_broadcast_mq (shared memory) ──▶ WorkerProc rank 0 ─┐ all-reduce,
+                                                               └──▶ WorkerProc rank 1 ─┘ all-gather (gloo / NCCL)
+                ◀── dequeue ── worker_response_mq of rank 0 (and of every rank, for other calls)
+
+Failure is fail-stop: a worker that raises reports the error (if it answers that call)
+and exits, because its peers may be waiting for it inside a collective and its state
+may no longer match theirs. A monitor thread waits on every worker's process sentinel;
+when one dies it stops the others, cancels every wait on the queues, and tells the
+engine core (`register_failure_callback`), so the caller gets `EngineDeadError` within
+a fraction of a second instead of a hang. Each worker also watches a death pipe from
+this process and exits when it closes, so no worker outlives its executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from enum import Enum
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from nano_v1.config import VllmConfig
+from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.distributed.device_communicators.shm_broadcast import Handle, MessageQueue, QueueCancelledError
+from nano_v1.engine import EngineDeadError
+from nano_v1.executor.abstract import Executor, FailureCallback, RpcMethod
+from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
+from nano_v1.utils import (
+    exit_when_parent_dies,
+    get_distributed_init_method,
+    get_loopback_ip,
+    get_mp_context,
+    get_open_port,
+    run_method,
+    start_process,
+)
+from nano_v1.worker.gpu_worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# The longest one step may take before the executor gives up on the workers (vLLM:
+# VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS). A dead worker is noticed at once; this bounds a live one that hangs.
+EXECUTE_MODEL_TIMEOUT_S = 300.0
+# Starting a worker: imports, torch.distributed rendezvous, loading its shard of the weights.
+WORKER_READY_TIMEOUT_S = 600.0
+# At shutdown, how long each worker gets to exit after its death pipe closes, and then after SIGTERM.
+WORKER_EXIT_GRACE_S = 2.0
+
+
+class MultiprocExecutor(Executor):
+    """`world_size` worker processes, rank 0 included; this process only sends and receives."""
+
+    def _init_executor(self) -> None:
+        self.world_size = self.parallel_config.world_size
+        self.shutdown_event = threading.Event()  # set at shutdown: cancels every wait on the queues
+        self.failure_reason: str | None = None  # set when the executor fails for good
+        self._fail_lock = threading.Lock()
+        self.failure_callback: FailureCallback | None = None
+        # A ring of 8 chunks of 1 MiB: a SchedulerOutput larger than a chunk spans several.
+        self.rpc_broadcast_mq = MessageQueue(self.world_size)
+        self.workers: list[WorkerProcHandle] = []
+        # Runs shutdown when the executor is collected or at exit, without keeping it alive.
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.workers, self.rpc_broadcast_mq, self.shutdown_event
+        )
+        distributed_init_method = get_distributed_init_method(get_loopback_ip(), get_open_port())
+        # On the CPU the ranks are the devices: they share this process's torch threads.
+        num_threads = max(1, torch.get_num_threads() // self.world_size)
+        try:
+            for rank in range(self.world_size):
+                self.workers.append(
+                    WorkerProc.make_worker_process(
+                        self.vllm_config, rank, rank, distributed_init_method,
+                        self.rpc_broadcast_mq.export_handle(), num_threads,
+                    )
+                )  # fmt: skip
+            WorkerProc.wait_for_ready(self.workers)
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed start
+            raise
+        self.start_worker_monitor()
+
+    def start_worker_monitor(self) -> None:
+        """A thread that waits on every worker's sentinel and fails the executor when one dies."""
+        workers, self_ref = self.workers, weakref.ref(self)
+
+        def monitor_workers() -> None:
+            sentinels = {handle.proc.sentinel: handle for handle in workers}
+            died = sentinels[multiprocessing.connection.wait(list(sentinels))[0]]
+            executor = self_ref()
+            if executor is None or executor.shutdown_event.is_set():
+                return  # we are shutting down: the workers are meant to exit
+            executor._fail(
+                f"worker rank {died.rank} (pid {died.proc.pid}) died with exit code {died.proc.exitcode}"
+            )
+
+        threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
+
+    def _fail(self, reason: str) -> None:
+        """Fail for good: stop every worker, wake every wait, tell the engine core (once, though the
+        monitor and the caller's thread may both get here)."""
+        with self._fail_lock:
+            if self.failure_reason is not None:
+                return
+            self.failure_reason = reason
+        logger.error("the executor failed: %s; stopping the workers", reason)
+        self.shutdown_event.set()
+        _stop_workers(self.workers)
+        callback, self.failure_callback = self.failure_callback, None
+        if callback is not None:
+            callback()
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        if self.failure_reason is not None:
+            callback()
+        else:
+            self.failure_callback = callback
+
+    def collective_rpc(
+        self, method: RpcMethod, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:  # fmt: skip
+        """Broadcast one call to every worker; wait (up to `timeout` s) for the answers of every
+        rank, or of `unique_reply_rank` alone. A function `method` travels by reference
+        (pickle), so it must be importable by name: a module-level function, not a lambda."""
+        self._check_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self.rpc_broadcast_mq.enqueue(
+                (method, args, kwargs or {}, unique_reply_rank), timeout, self.shutdown_event
+            )
+            repliers = self.workers if unique_reply_rank is None else [self.workers[unique_reply_rank]]
+            return [self._get_response(handle, method, deadline) for handle in repliers]
+        except QueueCancelledError:
+            if self.failure_reason is not None:
+                raise EngineDeadError(self.failure_reason) from None
+            raise RuntimeError("the executor was shut down during the call.") from None
+        except TimeoutError:
+            self._fail(f"{method!r} took longer than {timeout} s")
+            raise EngineDeadError(self.failure_reason) from None
+
+    def _get_response(self, handle: WorkerProcHandle, method: RpcMethod, deadline: float | None) -> Any:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        status, result = handle.worker_response_mq.dequeue(remaining, self.shutdown_event)
+        if status == WorkerProc.ResponseStatus.FAILURE:
+            error = f"worker rank {handle.rank} failed in {getattr(method, '__name__', method)}: {result}"
+            self._fail(error)
+            # The first cause (a peer's death, say) and this worker's own error, whichever came first.
+            raise EngineDeadError(
+                error if self.failure_reason == error else f"{self.failure_reason}; {error}"
+            )
+        return result
+
+    def _check_alive(self) -> None:
+        if self.failure_reason is not None:
+            raise EngineDeadError(self.failure_reason)
+        if self.shutdown_event.is_set():
+            raise RuntimeError("the executor has been shut down.")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Every rank runs the step; only rank 0 sends its output back."""
+        return self.collective_rpc(
+            "execute_model", EXECUTE_MODEL_TIMEOUT_S, args=(scheduler_output,), unique_reply_rank=0
+        )[0]
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=0)[0]
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health", timeout=10)
+
+    def shutdown(self) -> None:
+        """Stop the workers and remove the queues' shared memory (idempotent)."""
+        self._finalizer()
+
+
+def _shutdown(
+    workers: list[WorkerProcHandle], broadcast_mq: MessageQueue, shutdown_event: threading.Event
+) -> None:
+    shutdown_event.set()
+    _stop_workers(workers)
+    for queue in [broadcast_mq, *(handle.worker_response_mq for handle in workers)]:
+        queue.close()
+
+
+def _stop_workers(workers: list[WorkerProcHandle]) -> None:
+    """Ask every worker to exit (close its death pipe), then SIGTERM, then SIGKILL; reap them all."""
+    for handle in workers:
+        handle.death_writer.close()
+    for stop in (None, BaseProcess.terminate, BaseProcess.kill):
+        alive = [handle.proc for handle in workers if handle.proc.is_alive()]
+        for proc in alive:
+            if stop is not None:
+                stop(proc)
+        deadline = time.monotonic() + WORKER_EXIT_GRACE_S
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for handle in workers:
+        handle.proc.join()
+
+
+@dataclass
+class WorkerProcHandle:
+    """The executor's view of one worker process."""
+
+    proc: BaseProcess
+    rank: int
+    worker_response_mq: MessageQueue  # the worker writes its answers, the executor reads
+    ready_pipe: Connection  # READY or the startup error arrives here once
+    death_writer: Connection  # closing it tells the worker to exit
+
+
+class WorkerProc:
+    """A `Worker` in its own process, running the calls that arrive on the broadcast queue."""
+
+    class ResponseStatus(Enum):
+        SUCCESS = "success"
+        FAILURE = "failure"
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        input_shm_handle: Handle,
+        output_shm_handle: Handle,
+    ) -> None:
+        self.rank = rank
+        self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, reader_rank=rank)
+        self.worker_response_mq = MessageQueue.create_from_handle(output_shm_handle, reader_rank=None)
+        self.worker = Worker(vllm_config, local_rank, rank, distributed_init_method)
+        self.worker.init_device()  # joins the other ranks: every worker must be starting at once
+        self.worker.load_model()  # this rank's shard of every weight
+
+    @staticmethod
+    def make_worker_process(
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        input_shm_handle: Handle,
+        num_threads: int,
+    ) -> WorkerProcHandle:
+        context = get_mp_context()
+        response_mq = MessageQueue(1, max_chunks=2, reader_rank=0)
+        ready_reader, ready_writer = context.Pipe(duplex=False)
+        death_reader, death_writer = context.Pipe(duplex=False)
+        proc = context.Process(
+            target=WorkerProc.worker_main,
+            kwargs={
+                "vllm_config": vllm_config,
+                "local_rank": local_rank,
+                "rank": rank,
+                "distributed_init_method": distributed_init_method,
+                "input_shm_handle": input_shm_handle,
+                "output_shm_handle": response_mq.export_handle(),
+                "ready_pipe": ready_writer,
+                "death_pipe": death_reader,
+                # A forked child inherits our end of its death pipe and must close it, or it never sees EOF.
+                "inherited_death_writer": death_writer if context.get_start_method() == "fork" else None,
+                "num_threads": num_threads,
+            },
+            name=f"VllmWorker-{rank}",
+            daemon=True,
+        )
+        start_process(proc)
+        ready_writer.close()
+        death_reader.close()
+        return WorkerProcHandle(proc, rank, response_mq, ready_reader, death_writer)
+
+    @staticmethod
+    def wait_for_ready(workers: list[WorkerProcHandle]) -> None:
+        """Wait until every worker says READY; raise the first startup error, or a worker's early death."""
+        waiting = {handle.ready_pipe: handle for handle in workers}
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+        while waiting:
+            sentinels = {handle.proc.sentinel: handle for handle in waiting.values()}
+            ready = multiprocessing.connection.wait(
+                [*waiting, *sentinels], timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                raise RuntimeError(
+                    f"the worker processes were not ready within {WORKER_READY_TIMEOUT_S:.0f} s."
+                )
+            for pipe in [p for p in waiting if p in ready or waiting[p].proc.sentinel in ready]:
+                handle = waiting.pop(pipe)
+                try:
+                    status, error = pipe.recv()
+                except EOFError:  # it died before it could say anything
+                    raise RuntimeError(
+                        f"worker rank {handle.rank} exited during startup (exit code {handle.proc.exitcode})."
+                    ) from None
+                finally:
+                    pipe.close()
+                if status == "FAILED":
+                    raise error
+
+    @staticmethod
+    def worker_main(
+        ready_pipe: Connection, death_pipe: Connection, inherited_death_writer: Connection | None, num_threads: int,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        """Entry point of a worker process: start (`kwargs` are `WorkerProc`'s), say READY (or why not),
+        then serve calls until told to exit."""
+        if inherited_death_writer is not None:
+            inherited_death_writer.close()
+        threading.Thread(
+            target=exit_when_parent_dies, args=(death_pipe,), daemon=True, name="WorkerDeathPipe"
+        ).start()
+        torch.set_num_threads(num_threads)
+        try:
+            worker = WorkerProc(**kwargs)
+        except BaseException as e:
+            # A ValueError (a checkpoint that does not fit, say) reaches the user as one.
+            error = (
+                e
+                if isinstance(e, ValueError)
+                else RuntimeError(f"worker rank {kwargs['rank']} failed to start: {type(e).__name__}: {e}")
+            )
+            ready_pipe.send(("FAILED", error))
+            raise
+        ready_pipe.send(("READY", None))
+        ready_pipe.close()
+        worker.worker_busy_loop()
+
+    def worker_busy_loop(self) -> None:
+        """Run each broadcast call; answer if this rank is asked to. An exception ends the process."""
+        while True:
+            method, args, kwargs, unique_reply_rank = self.rpc_broadcast_mq.dequeue()
+            replies = unique_reply_rank is None or unique_reply_rank == self.rank
+            try:
+                output = run_method(self.worker, method, args, kwargs)
+            except Exception as e:
+                if replies:
+                    self.worker_response_mq.enqueue(
+                        (WorkerProc.ResponseStatus.FAILURE, f"{type(e).__name__}: {e}")
+                    )
+                raise  # fail-stop: the executor sees this process exit
+            if replies:
+                self.worker_response_mq.enqueue((WorkerProc.ResponseStatus.SUCCESS, output))
