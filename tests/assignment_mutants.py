@@ -1,0 +1,264 @@
+"""Planted bugs ("mutants") for each assignment task: mistakes a student makes.
+
+tests/test_assignments.py applies every mutant to a copy of the repository, runs the
+task's tests on it (`-m chNN_tK`), and fails, naming the mutant, if they all pass: a
+task's tests must catch each of its mutants, not just a stub.
+
+A mutant is a textual edit of the task's reference region (`nano_v1.assignments.Mutant`):
+`old` must occur exactly once between the task's `# BEGIN TASK` and `# END TASK` lines
+and becomes `new`, both written with the file's own indentation. A mutant whose `old`
+the region no longer holds fails the integrity check loudly (`mutate_source`), so the
+list cannot rot when the reference changes. To add one, append a Mutant to the task's
+list below and run `pytest -m assignments tests/test_assignments.py`; if it survives,
+strengthen the tests that carry the task's marker until it is caught.
+"""
+
+from __future__ import annotations
+
+from nano_v1.assignments import Mutant
+
+MUTANTS: dict[str, list[Mutant]] = {
+    "ch02_t1": [
+        Mutant(
+            "front_keeps_old_back_link",
+            "reconnects the head to the new front but not the front back to the head",
+            old="        block.prev_free_block = self.fake_free_list_head\n",
+            new="",
+        ),
+        Mutant(
+            "popped_blocks_keep_links",
+            "leaves the popped blocks' links set, so they still look like members of the queue",
+            old="            block.prev_free_block = block.next_free_block = None\n",
+            new="",
+        ),
+        Mutant(
+            "count_not_updated",
+            "forgets to lower num_free_blocks",
+            old="        self.num_free_blocks -= n\n",
+            new="",
+        ),
+        Mutant(
+            "pops_one_too_few",
+            "off by one: pops n - 1 blocks",
+            old="for _ in range(n):",
+            new="for _ in range(1, n):",
+        ),
+    ],
+    "ch02_t2": [
+        Mutant(
+            "floor_division",
+            "rounds the block count down: a partly filled last block gets no block",
+            old="-(-num_tokens_need_slot // self.block_size)",
+            new="num_tokens_need_slot // self.block_size",
+        ),
+        Mutant(
+            "no_max_model_len_cap",
+            "reserves slots for positions at or past max_model_len",
+            old="min(\n            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len\n        )",
+            new="num_computed_tokens + num_new_tokens + num_lookahead_tokens",
+        ),
+        Mutant(
+            "ceil_off_by_one",
+            "rounds up by adding a whole block: an exactly full last block gets a spare",
+            old="-(-num_tokens_need_slot // self.block_size)",
+            new="(num_tokens_need_slot + self.block_size) // self.block_size",
+        ),
+        Mutant(
+            "only_new_tokens",
+            "counts slots for this step's tokens only, forgetting those already computed",
+            old="num_computed_tokens + num_new_tokens + num_lookahead_tokens,",
+            new="num_new_tokens + num_lookahead_tokens,",
+        ),
+        Mutant(
+            "no_lookahead",
+            "forgets the lookahead (draft) slots",
+            old="num_computed_tokens + num_new_tokens + num_lookahead_tokens,",
+            new="num_computed_tokens + num_new_tokens,",
+        ),
+    ],
+    "ch03_t1": [
+        Mutant(
+            "no_chaining",
+            "hashes each block's tokens alone, without its parent's hash",
+            old="hash_block_tokens(parent, ",
+            new="hash_block_tokens(None, ",
+        ),
+        Mutant(
+            "chain_restarts_each_call",
+            "starts every call's chain from nothing instead of the last hash the request has",
+            old="parent = request.block_hashes[-1] if request.block_hashes else None",
+            new="parent = None",
+        ),
+        Mutant(
+            "hashes_partial_block",
+            "also hashes the last, partly filled block",
+            old="range(start, num_tokens - block_size + 1, block_size)",
+            new="range(start, num_tokens, block_size)",
+        ),
+        Mutant(
+            "misses_block_just_filled",
+            "off by one: a block that has just become full waits a token for its hash",
+            old="num_tokens - block_size + 1",
+            new="num_tokens - block_size",
+        ),
+        Mutant(
+            "rehashes_from_the_start",
+            "hashes every full block again on each call instead of the new ones only",
+            old="start = len(request.block_hashes) * block_size",
+            new="start = 0",
+        ),
+    ],
+    "ch03_t2": [
+        Mutant(
+            "no_last_token_cap",
+            "forgets the num_tokens - 1 cap: a fully cached prompt hits every block",
+            old="(request.num_tokens - 1) // self.block_size",
+            new="request.num_tokens // self.block_size",
+        ),
+        Mutant(
+            "cap_one_block_short",
+            "caps the hit one block below the last full block, even when a token follows it",
+            old="(request.num_tokens - 1) // self.block_size",
+            new="request.num_tokens // self.block_size - 1",
+        ),
+        Mutant(
+            "skips_misses",
+            "steps over a miss and keeps matching the blocks after it",
+            old="                break\n",
+            new="                continue\n",
+        ),
+        Mutant(
+            "counts_blocks_not_tokens",
+            "returns the number of hit blocks where the number of hit tokens is due",
+            old="num_computed_tokens = len(computed_blocks) * self.block_size",
+            new="num_computed_tokens = len(computed_blocks)",
+        ),
+    ],
+    "ch04_t1": [
+        Mutant(
+            "eos_despite_ignore_eos",
+            "stops at EOS even when the request asked to ignore it",
+            old="if not params.ignore_eos and last_token_id == request.eos_token_id:",
+            new="if last_token_id == request.eos_token_id:",
+        ),
+        Mutant(
+            "max_tokens_off_by_one",
+            "uses > for >= on max_tokens: one token too many",
+            old="request.num_output_tokens >= request.max_tokens",
+            new="request.num_output_tokens > request.max_tokens",
+        ),
+        Mutant(
+            "max_model_len_off_by_one",
+            "uses > for >= on max_model_len: a token past the context window",
+            old="request.num_tokens >= max_model_len",
+            new="request.num_tokens > max_model_len",
+        ),
+        Mutant(
+            "stop_token_before_length",
+            "checks EOS before the length caps, so a capped request reports a stop",
+            old="    if request.num_tokens >= max_model_len or (",
+            new=(
+                "    if request.output_token_ids[-1] == request.eos_token_id and not request.sampling_params.ignore_eos:\n"
+                "        request.status = RequestStatus.FINISHED_STOPPED\n"
+                "        return True\n"
+                "    if request.num_tokens >= max_model_len or ("
+            ),
+        ),
+        Mutant(
+            "no_stop_reason",
+            "stops at a stop token id without recording which one",
+            old="        request.stop_reason = last_token_id\n",
+            new="",
+        ),
+    ],
+    "ch04_t2": [
+        Mutant(
+            "forgets_drafts",
+            "counts the known tokens only: the drafts to verify are never scheduled",
+            old="request.num_tokens_with_spec - num_computed_tokens",
+            new="request.num_tokens - num_computed_tokens",
+        ),
+        Mutant(
+            "ignores_cache_hits",
+            "counts from request.num_computed_tokens, not the num_computed_tokens given (which includes cache hits)",
+            old="request.num_tokens_with_spec - num_computed_tokens",
+            new="request.num_tokens_with_spec - request.num_computed_tokens",
+        ),
+        Mutant(
+            "zero_threshold_caps",
+            "treats a long_prefill_token_threshold of 0 (no threshold) as a cap of 0 tokens",
+            old="if 0 < self.long_prefill_token_threshold < num_new_tokens:",
+            new="if self.long_prefill_token_threshold < num_new_tokens:",
+        ),
+        Mutant(
+            "no_threshold",
+            "ignores long_prefill_token_threshold",
+            old="            num_new_tokens = self.long_prefill_token_threshold\n",
+            new="            pass\n",
+        ),
+        Mutant(
+            "context_cap_off_by_one",
+            "caps at max_model_len - num_computed_tokens: the token sampled next falls outside the context",
+            old="self.max_model_len - 1 - num_computed_tokens",
+            new="self.max_model_len - num_computed_tokens",
+        ),
+    ],
+    "ch05_t1": [
+        Mutant(
+            "wrong_row_stride",
+            "steps between block-table rows by block_size instead of the row length",
+            old="req_indices * self.max_num_blocks_per_req",
+            new="req_indices * self.block_size",
+        ),
+        Mutant(
+            "position_as_block_index",
+            "indexes the block table by position instead of position // block_size",
+            old="positions // self.block_size",
+            new="positions",
+        ),
+        Mutant(
+            "block_id_not_scaled",
+            "adds the offset to the block id itself instead of to the block's first slot",
+            old="block_numbers * self.block_size,",
+            new="block_numbers,",
+        ),
+        Mutant(
+            "position_as_offset",
+            "adds the whole position instead of the offset within the block",
+            old="positions % self.block_size,",
+            new="positions,",
+        ),
+    ],
+    "ch05_t2": [
+        Mutant(
+            "positions_forget_computed",
+            "numbers each request's tokens from 0 instead of from its computed tokens",
+            old="np.add(input_batch.num_computed_tokens_cpu[req_indices], chunk_offsets, out=positions_np)",
+            new="positions_np[:] = chunk_offsets",
+        ),
+        Mutant(
+            "positions_not_a_view",
+            "computes the positions into a new array, so self.positions is never filled",
+            old="positions_np = self.positions.np[:total_num_tokens]",
+            new="positions_np = np.empty(total_num_tokens, dtype=self.positions.np.dtype)",
+        ),
+        Mutant(
+            "offsets_from_chunk_ends",
+            "measures each token's offset from its chunk's end instead of its start",
+            old="cu_num_tokens - num_scheduled_tokens, num_scheduled_tokens",
+            new="cu_num_tokens, num_scheduled_tokens",
+        ),
+        Mutant(
+            "exclusive_cumsum",
+            "makes cu_num_tokens the chunks' starts instead of their ends",
+            old="cu_num_tokens = np.cumsum(num_scheduled_tokens)",
+            new="cu_num_tokens = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens",
+        ),
+        Mutant(
+            "starts_at_num_tokens",
+            "numbers each request's tokens from its known tokens (num_tokens) instead of its computed ones",
+            old="input_batch.num_computed_tokens_cpu[req_indices]",
+            new="input_batch.num_tokens[req_indices]",
+        ),
+    ],
+}
