@@ -102,8 +102,9 @@ def make_scheduler(
         policy=policy,
         scheduler_reserve_full_isl=reserve_full_isl,
     )
-    # The scheduler reads only max_model_len from the model's config: no checkpoint needed.
-    config.model_config = types.SimpleNamespace(max_model_len=max_model_len)
+    # The scheduler reads only max_model_len and whether the model takes images (chapter 11)
+    # from the model's config: no checkpoint needed.
+    config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=False)
     config.device_config = DeviceConfig("cpu")
     if num_spec_tokens:
         config.speculative_config = SpeculativeConfig(

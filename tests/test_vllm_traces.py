@@ -126,7 +126,7 @@ def load(workload: str) -> dict:
 
 
 def build_scheduler(config: dict) -> Scheduler:
-    """nano_v1's scheduler with the trace's config (no checkpoint: only max_model_len is read)."""
+    """nano_v1's scheduler with the trace's config (no checkpoint: only max_model_len and is_multimodal_model are read)."""
     vllm_config = VllmConfig.__new__(VllmConfig)
     vllm_config.cache_config = CacheConfig(
         block_size=config["block_size"],
@@ -140,7 +140,9 @@ def build_scheduler(config: dict) -> Scheduler:
         long_prefill_token_threshold=config["long_prefill_token_threshold"],
         policy=config["policy"],
     )
-    vllm_config.model_config = types.SimpleNamespace(max_model_len=config["max_model_len"])
+    vllm_config.model_config = types.SimpleNamespace(
+        max_model_len=config["max_model_len"], is_multimodal_model=False
+    )
     vllm_config.speculative_config = (
         SpeculativeConfig(num_speculative_tokens=config["num_spec_tokens"], prompt_lookup_min=1)
         if config["num_spec_tokens"]
