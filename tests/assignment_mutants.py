@@ -261,4 +261,134 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="input_batch.num_tokens[req_indices]",
         ),
     ],
+    "ch07_t1": [
+        Mutant(
+            "plus_inf_is_not_empty",
+            "takes an empty prefix's LSE of +inf at face value, as if it held all the mass",
+            old='    p_lse[p_lse == float("inf")] = float("-inf")\n',
+            new="",
+        ),
+        Mutant(
+            "no_shift_by_the_max",
+            "weights by exp(lse) directly: exp(1000) overflows float32",
+            old="max_lse = torch.maximum(p_lse, s_lse)",
+            new="max_lse = torch.zeros_like(p_lse)",
+        ),
+        Mutant(
+            "both_empty_is_nan",
+            "shifts by a max LSE of -inf when both parts are empty: exp(-inf - -inf) is NaN",
+            old='    max_lse[max_lse == float("-inf")] = 0.0  # both empty: any finite shift will do\n',
+            new="",
+        ),
+        Mutant(
+            "weights_not_normalised",
+            "adds the parts weighted by exp(lse - max) without dividing by the weights' sum",
+            old="p_scale = (p_weight / safe_total)",
+            new="p_scale = (p_weight / 1.0)",
+        ),
+        Mutant(
+            "lse_not_shifted_back",
+            "returns log(total) as the merged LSE, forgetting to add the max it was shifted by",
+            old="output_lse.copy_(torch.log(total) + max_lse)",
+            new="output_lse.copy_(torch.log(total))",
+        ),
+    ],
+    "ch07_t2": [
+        Mutant(
+            "prefix_threshold_off_by_one",
+            "refuses a prefix of exactly 256 tokens",
+            old="if common_prefix_len < 256:",
+            new="if common_prefix_len <= 256:",
+        ),
+        Mutant(
+            "cascades_with_alibi",
+            "cascades with ALiBi, whose bias the unmasked prefix pass does not apply",
+            old="if use_alibi or use_sliding_window or use_local_attention:",
+            new="if use_sliding_window or use_local_attention:",
+        ),
+        Mutant(
+            "request_threshold_off_by_one",
+            "cascades with 7 requests; vLLM needs at least 8",
+            old="if num_reqs < 8:",
+            new="if num_reqs < 7:",
+        ),
+        Mutant(
+            "flash_decoding_without_gqa",
+            "takes multi-head attention (one query head per KV head) as flash-decoding",
+            old="num_queries_per_kv > 1 and bool(np.all(query_lens == 1))",
+            new="bool(np.all(query_lens == 1))",
+        ),
+        Mutant(
+            "cascade_per_kv_head",
+            "gives cascade one program per KV head instead of per query head",
+            old="cascade_ctas = num_query_heads *",
+            new="cascade_ctas = num_kv_heads *",
+        ),
+        Mutant(
+            "cascade_in_one_wave",
+            "forgets that cascade's programs run in waves over the SMs",
+            old="cascade_time = cascade_waves * num_prefix_tiles",
+            new="cascade_time = num_prefix_tiles",
+        ),
+    ],
+    "ch11_t1": [
+        Mutant(
+            "ignores_the_compute_budget",
+            "encodes every image the chunk covers, however little of the step's encoder budget is left",
+            old="request, i, encoder_compute_budget, num_tokens_to_schedule",
+            new="request, i, 10**9, num_tokens_to_schedule",
+        ),
+        Mutant(
+            "never_cuts_the_chunk",
+            "skips an image it cannot encode now but lets the chunk run over its positions",
+            old="                num_new_tokens = max(start_pos - num_computed_tokens, 0)\n",
+            new="",
+        ),
+        Mutant(
+            "encodes_a_repeat_twice",
+            "encodes an image again when the same one appears earlier in the prompt",
+            old="            if mm_feature.identifier in mm_hashes_to_schedule:\n"
+            "                continue  # the same image earlier in this prompt: encoded once\n",
+            new="",
+        ),
+        Mutant(
+            "reencodes_computed_images",
+            "encodes images whose positions are already in the KV cache, behind the chunk",
+            old="            if start_pos + num_encoder_tokens <= num_computed_tokens:\n"
+            "                continue  # its positions are in the KV cache already\n",
+            new="",
+        ),
+        Mutant(
+            "splits_images_when_told_not_to",
+            "ignores disable_chunked_mm_input: a chunk may end inside an image",
+            old="                self.disable_chunked_mm_input\n",
+            new="                False\n",
+        ),
+    ],
+    "ch11_t2": [
+        Mutant(
+            "only_at_the_block_start",
+            "looks for images at the block's first position only",
+            old="if offset >= end_token_idx:",
+            new="if offset >= start_token_idx + 1:",
+        ),
+        Mutant(
+            "one_short_at_the_block_end",
+            "misses an image that starts at the block's last position",
+            old="if offset >= end_token_idx:",
+            new="if offset >= end_token_idx - 1:",
+        ),
+        Mutant(
+            "keeps_the_image_just_before",
+            "off by one: also keys an image that ends right where the block starts",
+            old="> start_token_idx:",
+            new=">= start_token_idx:",
+        ),
+        Mutant(
+            "no_stop_at_the_block_end",
+            "keys the block with every image from it to the prompt's end",
+            old="        if offset >= end_token_idx:\n            break\n",
+            new="",
+        ),
+    ],
 }

@@ -255,6 +255,7 @@ def merge_attn_states(
     (+inf from some kernels, -inf from others); it gets weight 0, and if both parts are
     empty the output is 0 rather than NaN.
     """
+    # BEGIN TASK ch07_t1: weight each part by its share exp(lse) of the joint softmax; an empty part weighs 0
     p_lse = prefix_lse.float().clone()
     s_lse = suffix_lse.float().clone()
     p_lse[p_lse == float("inf")] = float("-inf")
@@ -271,3 +272,4 @@ def merge_attn_states(
     output.copy_(merged.to(output.dtype))
     if output_lse is not None:
         output_lse.copy_(torch.log(total) + max_lse)
+    # END TASK
