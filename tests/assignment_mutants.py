@@ -331,6 +331,70 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="cascade_time = num_prefix_tiles",
         ),
     ],
+    "ch10_t1": [
+        Mutant(
+            "no_preference_for_k_known_tokens",
+            "takes the latest occurrence even when an earlier one is followed by k known tokens",
+            old="            latest_end = np.where(latest_full_end != NO_MATCH, latest_full_end, latest_end)\n",
+            new="",
+        ),
+        Mutant(
+            "shortest_n_wins",
+            "keeps the first (shortest) n-gram that matched instead of the longest",
+            old="best_end = np.where(latest_end != NO_MATCH, latest_end, best_end)",
+            new="best_end = np.where(best_end == NO_MATCH, latest_end, best_end)",
+        ),
+        Mutant(
+            "matches_itself",
+            "lets the row's own suffix count as an earlier occurrence, with no token after it",
+            old="match = np.arange(width)[None, :] <= last - 2",
+            new="match = np.arange(width)[None, :] <= last - 1",
+        ),
+        Mutant(
+            "drafts_past_the_known_tokens",
+            "always drafts k tokens, reading past the row's known tokens",
+            old="np.minimum(k, last[:, 0] - start)",
+            new="k",
+        ),
+        Mutant(
+            "ignores_min_n",
+            "accepts n-grams shorter than min_n",
+            old="if n >= min_n:",
+            new="if n >= 1:",
+        ),
+    ],
+    "ch10_t2": [
+        Mutant(
+            "accepts_always",
+            "keeps every draft",
+            old="accepted = uniform < draft_probs",
+            new="accepted = uniform <= 1.0",
+        ),
+        Mutant(
+            "redraws_from_the_target",
+            "on rejection draws from p itself, which may give the rejected draft back",
+            old="residual = probs.scatter(1, draft_token_ids.unsqueeze(1), 0.0)",
+            new="residual = probs",
+        ),
+        Mutant(
+            "accepts_too_often",
+            "keeps a draft with probability sqrt(p(draft)) instead of p(draft)",
+            old="accepted = uniform < draft_probs",
+            new="accepted = uniform < draft_probs.sqrt()",
+        ),
+        Mutant(
+            "probability_of_the_argmax",
+            "keeps a draft with the probability of the most likely token instead of the draft's own",
+            old="draft_probs = probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)",
+            new="draft_probs = probs.max(dim=1).values",
+        ),
+        Mutant(
+            "redraws_ignore_seeds",
+            "redraws a seeded request's token from the global generator",
+            old="random_sample(residual, token_generators)",
+            new="random_sample(residual, {})",
+        ),
+    ],
     "ch11_t1": [
         Mutant(
             "ignores_the_compute_budget",
