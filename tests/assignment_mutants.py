@@ -261,6 +261,58 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="input_batch.num_tokens[req_indices]",
         ),
     ],
+    "ch06_t1": [
+        Mutant(
+            "values_into_both_caches",
+            "stores the token's key into the value cache too",
+            old="tl.store(value_cache_ptr + cache_offs, value, mask=mask)",
+            new="tl.store(value_cache_ptr + cache_offs, key, mask=mask)",
+        ),
+        Mutant(
+            "first_head_only",
+            "copies the first KV head of each token and drops the others",
+            old="mask = (offs_h < NUM_KV_HEADS)[:, None]",
+            new="mask = (offs_h < 1)[:, None]",
+        ),
+        Mutant(
+            "wrong_token_row",
+            "steps between tokens by the head stride: reads another token's row",
+            old="key_ptr + token * stride_key_tok",
+            new="key_ptr + token * stride_key_head",
+        ),
+        Mutant(
+            "block_start_only",
+            "writes every token at the start of its block, forgetting its offset in the block",
+            old="in_block = slot % BLOCK_SIZE",
+            new="in_block = slot * 0",
+        ),
+    ],
+    "ch06_t2": [
+        Mutant(
+            "output_not_rescaled",
+            "adds a tile's P @ V without rescaling the output accumulated under the old max",
+            old="acc = acc * alpha[:, None] + tl.dot(",
+            new="acc = acc + tl.dot(",
+        ),
+        Mutant(
+            "sum_not_rescaled",
+            "adds a tile's probabilities without rescaling the running sum under the old max",
+            old="L = L * alpha + tl.sum(P, axis=1)",
+            new="L = L + tl.sum(P, axis=1)",
+        ),
+        Mutant(
+            "max_never_updated",
+            "forgets to keep the new running max for the next tile",
+            old="        M = M_new\n",
+            new="",
+        ),
+        Mutant(
+            "exp_under_the_old_max",
+            "exponentiates the tile's scores against the old max, before this tile raised it",
+            old="P = tl.exp(S - M_safe[:, None])",
+            new='P = tl.exp(S - tl.where(M > float("-inf"), M, 0.0)[:, None])',
+        ),
+    ],
     "ch07_t1": [
         Mutant(
             "plus_inf_is_not_empty",

@@ -44,6 +44,9 @@ def failure_message(error: BaseException) -> str:
     # Hypothesis raises an exception group when it finds several distinct failures.
     while getattr(error, "exceptions", None):
         error = error.exceptions[0]
+    # A kernel run in Triton's interpreter raises the kernel's own error as the cause of one.
+    while type(error).__name__ == "InterpreterError" and error.__cause__ is not None:
+        error = error.__cause__
     lines = str(error).strip().splitlines()
     first = lines[0] if lines else ""
     if isinstance(error, AssertionError):
