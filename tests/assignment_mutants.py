@@ -18,6 +18,58 @@ from __future__ import annotations
 from nano_v1.assignments import Mutant
 
 MUTANTS: dict[str, list[Mutant]] = {
+    "ch01_t1": [
+        Mutant(
+            "value_from_the_key",
+            "writes the token's key into the value cache",
+            old="index_copy_(0, slots, value[:num_tokens][has_slot])",
+            new="index_copy_(0, slots, key[:num_tokens][has_slot])",
+        ),
+        Mutant(
+            "reads_the_padding_rows",
+            "takes the last rows of key/value instead of the first len(slot_mapping)",
+            old="index_copy_(0, slots, key[:num_tokens][has_slot])",
+            new="index_copy_(0, slots, key[-num_tokens:][has_slot])",
+        ),
+        Mutant(
+            "drops_the_wrong_tokens",
+            "drops as many tokens as there are -1 slots, but from the end instead of where they are",
+            old="index_copy_(0, slots, key[:num_tokens][has_slot])",
+            new="index_copy_(0, slots, key[: len(slots)])",
+        ),
+        Mutant(
+            "keys_only",
+            "forgets to write the values",
+            old="    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, value[:num_tokens][has_slot])\n",
+            new="",
+        ),
+    ],
+    "ch01_t2": [
+        Mutant(
+            "positions_from_zero",
+            "places a chunk's queries at positions 0.. instead of after the context already cached",
+            old="q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)",
+            new="q_pos = torch.arange(0, query_len, device=q.device)",
+        ),
+        Mutant(
+            "hides_its_own_position",
+            "masks the key at the query's own position (>= for >)",
+            old="[None, :] > q_pos[:, None]",
+            new="[None, :] >= q_pos[:, None]",
+        ),
+        Mutant(
+            "lse_not_written",
+            "forgets to store the log-sum-exp of multi-query requests",
+            old="            lse[:, start:end] = l.reshape(num_heads, query_len)\n",
+            new="",
+        ),
+        Mutant(
+            "heads_misordered",
+            "lays the output out as [query, group, KV head] instead of [query, KV head, group]",
+            old="o.permute(2, 0, 1, 3)",
+            new="o.permute(2, 1, 0, 3)",
+        ),
+    ],
     "ch02_t1": [
         Mutant(
             "front_keeps_old_back_link",
