@@ -435,6 +435,70 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="cascade_time = num_prefix_tiles",
         ),
     ],
+    "ch08_t1": [
+        Mutant(
+            "op_joins_the_piece_before",
+            "gives a splitting op the id of the dense piece before it",
+            old="""            subgraph_id += 1
+            node_to_subgraph_id[node] = subgraph_id
+""",
+            new="""            node_to_subgraph_id[node] = subgraph_id
+""",
+        ),
+        Mutant(
+            "piece_after_joins_the_op",
+            "lets the ops after a splitting op join its piece",
+            old="""            splitting_ids.add(subgraph_id)
+            subgraph_id += 1
+""",
+            new="""            splitting_ids.add(subgraph_id)
+""",
+        ),
+        Mutant(
+            "ops_not_marked",
+            "forgets to record which pieces are splitting ops",
+            old="            splitting_ids.add(subgraph_id)\n",
+            new="",
+        ),
+        Mutant(
+            "every_call_splits",
+            "treats every function call as a splitting op",
+            old='node.op == "call_function" and op_name(node.target) in splitting',
+            new='node.op == "call_function"',
+        ),
+    ],
+    "ch08_t2": [
+        Mutant(
+            "ignores_the_runtime_mode",
+            "captures in any graph mode, not only the wrapper's own",
+            old="if forward_context.cudagraph_runtime_mode != self.runtime_mode or descriptor is None:",
+            new="if descriptor is None:",
+        ),
+        Mutant(
+            "captures_every_call",
+            "captures a new graph on every call instead of replaying the one it has",
+            old="entry = self.entries.get(descriptor)",
+            new="entry = None",
+        ),
+        Mutant(
+            "no_address_check",
+            "replays even when the inputs moved since the capture",
+            old="assert tensor_addresses(args) == entry.input_addresses, (",
+            new="assert True or tensor_addresses(args) == entry.input_addresses, (",
+        ),
+        Mutant(
+            "replay_returns_fresh_tensors",
+            "returns a new eager result after the replay instead of the graph's outputs",
+            old="        return entry.output\n",
+            new="        return self.runnable(*args)\n",
+        ),
+        Mutant(
+            "capture_not_counted",
+            "forgets to count the capture",
+            old="            compilation_counter.num_cudagraph_captured += 1\n",
+            new="",
+        ),
+    ],
     "ch10_t1": [
         Mutant(
             "no_preference_for_k_known_tokens",
