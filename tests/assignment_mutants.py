@@ -499,6 +499,66 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="",
         ),
     ],
+    "ch09_t1": [
+        Mutant(
+            "idle_core_spins",
+            "returns at once when idle, so the busy loop spins on an empty scheduler",
+            old="        while not self.scheduler.has_unfinished_requests():\n",
+            new="        while False:\n",
+        ),
+        Mutant(
+            "busy_core_ignores_new_requests",
+            "takes no queued message while busy: new requests wait until every running one is done",
+            old="""        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+""",
+            new="",
+        ),
+        Mutant(
+            "one_message_per_step",
+            "takes one queued message per step instead of all of them",
+            old="while not self.input_queue.empty():",
+            new="if not self.input_queue.empty():",
+        ),
+        Mutant(
+            "busy_core_waits",
+            "waits for one more message even when busy",
+            old="        while not self.input_queue.empty():\n",
+            new="        self._handle_client_request(*self.input_queue.get())\n        while not self.input_queue.empty():\n",
+        ),
+    ],
+    "ch09_t2": [
+        Mutant(
+            "abort_adds",
+            "treats an ABORT as an ADD",
+            old="            self.abort_requests(request)\n",
+            new="            self.add_request(request)\n",
+        ),
+        Mutant(
+            "failure_kills_the_core",
+            "lets a failed call's exception escape: the engine core dies",
+            old="            except Exception as e:",
+            new="            except KeyError as e:",
+        ),
+        Mutant(
+            "failure_not_reported",
+            "answers a failed call without saying it failed",
+            old='                output.failure_message = f"call to {method_name} failed: {e!r}"\n',
+            new="                pass\n",
+        ),
+        Mutant(
+            "answer_lost",
+            "never sends the answer of a utility call",
+            old="            self.output_queue.put_nowait(EngineCoreOutputs(utility_output=output))\n",
+            new="",
+        ),
+        Mutant(
+            "wrong_call_id",
+            "answers under call id 0, so the client cannot match the answer to its call",
+            old="output = UtilityOutput(call_id)",
+            new="output = UtilityOutput(0)",
+        ),
+    ],
     "ch10_t1": [
         Mutant(
             "no_preference_for_k_known_tokens",
