@@ -87,8 +87,17 @@ class PagedBatch:
     def attention_args(self, q: torch.Tensor, out: torch.Tensor, causal: bool) -> tuple:
         """The positional arguments of `unified_attention(...)` for this batch."""
         return (
-            q, self.key_cache, self.value_cache, out, self.cu_seqlens_q, max(self.query_lens),
-            self.seqused_k, max(self.seq_lens), q.shape[2] ** -0.5, causal, self.block_table,
+            q,
+            self.key_cache,
+            self.value_cache,
+            out,
+            self.cu_seqlens_q,
+            max(self.query_lens),
+            self.seqused_k,
+            max(self.seq_lens),
+            q.shape[2] ** -0.5,
+            causal,
+            self.block_table,
         )
 
 
@@ -109,7 +118,7 @@ def make_paged_batch(
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 4
     ids = rng.permutation(num_blocks)
-    unused = ids[sum(blocks_needed):]
+    unused = ids[sum(blocks_needed) :]
     block_table = torch.tensor(rng.choice(unused, size=(num_reqs, max(blocks_needed) + 1)), dtype=torch.int32)
     start = 0
     for r, n in enumerate(blocks_needed):
@@ -140,8 +149,8 @@ def make_paged_batch(
         value_cache=value_cache,
         block_table=block_table,
         slot_mapping=torch.cat([slots(r, range(context_lens[r], seq_lens[r])) for r in range(num_reqs)]),
-        new_key=torch.cat([keys[r][context_lens[r]:] for r in range(num_reqs)]),
-        new_value=torch.cat([values[r][context_lens[r]:] for r in range(num_reqs)]),
+        new_key=torch.cat([keys[r][context_lens[r] :] for r in range(num_reqs)]),
+        new_value=torch.cat([values[r][context_lens[r] :] for r in range(num_reqs)]),
         q=torch.randn(num_tokens, num_kv_heads * group, head_size, generator=generator).to(dtype),
         cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32),
         seqused_k=torch.tensor(seq_lens, dtype=torch.int32),
@@ -173,9 +182,19 @@ def assert_matches_naive(
         ref_out, ref_lse = naive_attention(
             batch.q[rows], batch.keys[r], batch.values[r], batch.context_lens[r], scale, causal
         )
-        torch.testing.assert_close(out[rows].double(), ref_out, atol=atol, rtol=rtol)
+        what = (
+            f"request {r} ({batch.query_lens[r]} queries after {batch.context_lens[r]} context tokens, "
+            f"{'causal' if causal else 'not causal'})"
+        )
+        torch.testing.assert_close(
+            out[rows].double(), ref_out, atol=atol, rtol=rtol,
+            msg=lambda m, what=what: f"{what}: the output is not softmax attention over its context; {m}",
+        )  # fmt: skip
         if lse is not None:
-            torch.testing.assert_close(lse[:, rows].double(), ref_lse, atol=atol, rtol=rtol)
+            torch.testing.assert_close(
+                lse[:, rows].double(), ref_lse, atol=atol, rtol=rtol,
+                msg=lambda m, what=what: f"{what}: the LSE is not the log-sum-exp of its scaled scores; {m}",
+            )  # fmt: skip
 
 
 def check_reshape_and_cache(reshape_and_cache_flash, batch: PagedBatch, num_padding_slots: int) -> None:
@@ -200,9 +219,21 @@ def check_reshape_and_cache(reshape_and_cache_flash, batch: PagedBatch, num_padd
         return rows
 
     reshape_and_cache_flash(
-        with_padding(batch.new_key), with_padding(batch.new_value), batch.key_cache, batch.value_cache, slot_mapping
+        with_padding(batch.new_key),
+        with_padding(batch.new_value),
+        batch.key_cache,
+        batch.value_cache,
+        slot_mapping,
     )
-    for cache, new in ((batch.key_cache, batch.new_key), (batch.value_cache, batch.new_value)):
-        torch.testing.assert_close(cache.view(-1, num_kv_heads, head_size)[batch.slot_mapping], new, rtol=0, atol=0)
+    for name, cache, new in (
+        ("key", batch.key_cache, batch.new_key),
+        ("value", batch.value_cache, batch.new_value),
+    ):
+        torch.testing.assert_close(
+            cache.view(-1, num_kv_heads, head_size)[batch.slot_mapping], new, rtol=0, atol=0,
+            msg=lambda m, name=name: f"each token's {name}, every head of it, must land in its slot; {m}",
+        )  # fmt: skip
         written = ~cache.isnan().any(-1).any(-1).flatten()
-        assert int(written.sum()) == sum(batch.seq_lens), "the op wrote slots outside the slot mapping"
+        assert int(written.sum()) == sum(batch.seq_lens), (
+            f"the op wrote {name} slots outside the slot mapping (a -1 slot or a row past it has no slot)"
+        )

@@ -158,9 +158,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 # `--hypothesis-profile=fail_fast`: report the first failing example as found, without
-# shrinking or explaining it. The assignment integrity check (test_assignments.py) only
-# needs to know that a stubbed task fails, and shrinking a failure that every example
-# hits costs tens of seconds per test.
+# shrinking or explaining it, and keep no example database. The assignment integrity
+# check (test_assignments.py) only needs to know that a stubbed or planted-bug task
+# fails; shrinking a failure that every example hits costs tens of seconds per test, and
+# a database would replay one variant's failing examples against the next.
 hypothesis.settings.register_profile(
-    "fail_fast", phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate]
+    "fail_fast",
+    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
+    database=None,
 )

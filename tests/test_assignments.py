@@ -4,37 +4,54 @@ The integrity check is the point of this file: for every task region in the sour
 student copy with only that task stubbed must fail every test carrying the task's marker
 (and import its own nano_v1, not the installed reference), while the reference tree
 passes them all. A task whose tests still pass against a stub is a task nobody can fail.
+Each task's planted bugs (assignment_mutants.py) must be caught too: a copy with one
+mutant applied must fail at least one of the task's tests, with a message that says
+what is wrong.
+
+The variants (stubs and mutants) run in two copies of the repository, two at a time (CI
+has 2 cores), each copy rewritten in place per variant by variant_runner.py, which
+forks every run from one interpreter that has imported torch once.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from assignment_mutants import MUTANTS
 
 from nano_v1.assignments import (
     ASSIGNMENT_FILE,
     REPO_ROOT,
+    Mutant,
     TaskRegionError,
+    copy_repository,
     find_tasks,
     make_student_copy,
+    mutate_source,
     parse_task_regions,
     select_tasks,
     stub_source,
 )
 from nano_v1.assignments.__main__ import main
-from nano_v1.assignments.grading import marker_expression, score
+from nano_v1.assignments.grading import format_table, marker_expression, score
+from nano_v1.assignments.pytest_plugin import failure_message
 
 pytestmark = pytest.mark.assignments
 
 TASKS = find_tasks()
+TASKS_BY_ID = {t.task_id: t for t in TASKS}
+MUTANT_IDS = [f"{task_id}/{mutant.name}" for task_id, mutants in MUTANTS.items() for mutant in mutants]
 
 SOURCE = textwrap.dedent(
     '''\
@@ -72,7 +89,7 @@ def test_stub_keeps_markers_and_valid_python():
     tasks = parse_task_regions(SOURCE, "m.py")
     stubbed = stub_source(SOURCE, tasks)
     namespace: dict = {}
-    exec(compile(stubbed, "m.py", "exec"), namespace)
+    exec(compile(stubbed, "m.py", "exec"), namespace)  # noqa: S102  (the stubbed module, which the test wrote)
     with pytest.raises(NotImplementedError, match='^ch09_t1: add "one" to x$'):
         namespace["f"](1)
     with pytest.raises(NotImplementedError, match="^ch09_t2: return 2$"):
@@ -182,66 +199,151 @@ def test_cli_from_an_installed_package_asks_for_a_source_checkout(tmp_path):
     for command in (["list"], ["make", "ch04", "--out", str(tmp_path / "copy")], ["grade"]):
         result = subprocess.run(
             [sys.executable, "-m", "nano_v1.assignments", *command],
-            cwd=site_packages, env=env, capture_output=True, text=True, timeout=60,
+            cwd=site_packages, env=env, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert (result.returncode, result.stderr) == (2, expected), command
     assert not (tmp_path / "copy").exists()
 
 
-def test_score_is_all_or_nothing_per_task():
+def test_score_gives_partial_credit_per_test():
     tasks = parse_task_regions(SOURCE, "m.py")
+    stub = "NotImplementedError: ch09_t2: return 2"
     report = {
         "nano_v1": "x",
         "exitstatus": 1,
         "tests": {
             "a": {"markers": ["ch09", "ch09_t1"], "outcome": "passed", "message": ""},
-            "b": {"markers": ["ch09", "ch09_t1", "ch09_t2"], "outcome": "failed", "message": "boom"},
+            "b": {
+                "markers": ["ch09", "ch09_t1", "ch09_t2"],
+                "outcome": "failed",
+                "message": "y must be x + 1",
+            },
             "c": {"markers": ["ch09", "ch09_t2", "gpu"], "outcome": "skipped", "message": ""},
             "d": {"markers": ["ch09"], "outcome": "passed", "message": ""},
             "e": {"markers": ["ch09"], "outcome": "not run", "message": ""},
+            "f": {"markers": ["ch09", "ch09_t1"], "outcome": "passed", "message": ""},
+            "g": {"markers": ["ch09", "ch09_t2"], "outcome": "failed", "message": stub},
         },
     }
     (t1, t2), others = score(tasks, report)
-    assert (t1.passed, t1.total, t1.points, t1.failures) == (1, 2, 0, ["b: boom"])
-    assert (t2.passed, t2.total, t2.points) == (0, 1, 0)
+    assert (t1.passed, t1.total, t1.points, t1.all_passed, t1.is_stub) == (2, 3, 2 / 3, False, False)
+    assert [(f.test, f.message) for f in t1.failures] == [("b", "y must be x + 1")]
+    assert (t2.passed, t2.total, t2.points, t2.is_stub) == (0, 2, 0.0, True)
     assert others == {"ch09": (1, 2)}
+    table = format_table([t1, t2], others)
+    assert "ch09_t1: 1 of 3 tests fail\n  b: y must be x + 1" in table
+    assert "ch09_t2: not implemented yet (NotImplementedError): return 2" in table
+    assert "0.67" in table and "0.67/2" in table  # t1's points, then the total
     report["tests"]["b"]["outcome"] = "passed"
     (t1, t2), _ = score(tasks, report)
-    assert (t1.points, t2.points) == (1, 1)
+    assert (t1.points, t1.all_passed, t2.all_passed) == (1.0, True, False)
     assert marker_expression(tasks) == "ch09 or ch09_t1 or ch09_t2"
+
+
+def test_failure_message_is_the_first_line_an_assertion_gives():
+    # pytest's rewritten asserts append the values' diff after the message's lines.
+    error = AssertionError("block 1's hash must chain block 0's\n  more\nassert b'a' == b'b'")
+    assert failure_message(error) == "block 1's hash must chain block 0's"
+    assert failure_message(NotImplementedError("ch03_t1: hint")) == "NotImplementedError: ch03_t1: hint"
+    assert failure_message(IndexError("list index out of range")) == "IndexError: list index out of range"
+    assert failure_message(AssertionError()) == "AssertionError"
+    # Hypothesis reports several distinct failures as a group: the first one speaks.
+    group_type = (
+        getattr(builtins, "ExceptionGroup", None) or pytest.importorskip("exceptiongroup").ExceptionGroup
+    )
+    group = group_type("2 distinct failures", [AssertionError("too many blocks"), ValueError("x")])
+    assert failure_message(group) == "too many blocks"
+    # Triton's interpreter raises a kernel's own error as the cause of an InterpreterError.
+    interpreter_error = type("InterpreterError", (Exception,), {})("NotImplementedError('ch06_t1: hint')")
+    interpreter_error.__cause__ = NotImplementedError("ch06_t1: hint")
+    assert failure_message(interpreter_error) == "NotImplementedError: ch06_t1: hint"
 
 
 # ----------------------------------------------------------------------------- the integrity check
 
 
-def test_chapters_02_to_05_have_at_least_two_tasks_each():
-    for chapter in ("ch02", "ch03", "ch04", "ch05"):
-        assert len([t for t in TASKS if t.chapter == chapter]) >= 2, chapter
+# Chapters whose tasks exist so far; the course's goal is every chapter 01-10.
+CHAPTERS_WITH_TASKS = ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10", "ch11")
 
 
-def run_tests(root: Path, report_path: Path, marker: str, paths: list[str] = ()) -> dict:
-    """pytest -m marker in `root`, in a fresh interpreter that imports root's own nano_v1."""
-    command = [
-        sys.executable, "-m", "pytest", *paths, "-m", marker, "-q", "-p", "no:cacheprovider",
-        "-p", "nano_v1.assignments.pytest_plugin", "--task-report", str(report_path),
-        "--hypothesis-profile=fail_fast",
-    ]  # fmt: skip
+def test_chapters_with_tasks_have_two_each_listed_in_their_chapter_and_the_readme():
+    chapters = {t.chapter for t in TASKS}
+    assert chapters == set(CHAPTERS_WITH_TASKS), f"chapters with tasks: {sorted(chapters)}"
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    for chapter in CHAPTERS_WITH_TASKS:
+        ids = [t.task_id for t in TASKS if t.chapter == chapter]
+        assert len(ids) >= 2, f"{chapter} has {len(ids)} task(s); give it at least 2"
+        (text_path,) = (REPO_ROOT / "chapters").glob(f"{chapter[2:]}-*.md")
+        text = text_path.read_text(encoding="utf-8")
+        assert "\n## Your turn\n" in text, f"{text_path.name} has no 'Your turn' section"
+        your_turn = text.split("\n## Your turn\n", 1)[1].split("\n## ", 1)[0]
+        for task_id in ids:
+            assert f"`{task_id}`" in your_turn, f"{text_path.name}'s 'Your turn' does not list {task_id}"
+        (row,) = [line for line in readme.splitlines() if line.startswith(f"| {chapter[2:]} |")]
+        assert row.split(" | ")[4] == ", ".join(f"`{task_id}`" for task_id in ids), (
+            f"README's course table must list {chapter}'s tasks: {row}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One pytest run on a tree with (at most) one file rewritten."""
+
+    name: str
+    path: str | None  # relative to the tree; None runs the tree as it is
+    text: str | None
+    args: list[str]
+
+
+def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, dict]:
+    """Run each variant of `root` in turn (variant_runner.py); the plugin's reports, by name.
+
+    Each report also holds the tail of its run's output, and must come from root's own nano_v1.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for i, variant in enumerate(variants):
+        args = [
+            *variant.args, "-q", "-p", "no:cacheprovider", "-p", "nano_v1.assignments.pytest_plugin",
+            "--task-report", str(work / f"{i}.json"), "--hypothesis-profile=fail_fast",
+        ]  # fmt: skip
+        log = str(work / f"{i}.log")
+        jobs.append({"path": variant.path, "text": variant.text, "args": args, "log": log, "timeout": 300})
+    (work / "jobs.json").write_text(json.dumps({"root": str(root), "jobs": jobs}))
+    runner = Path(__file__).with_name("variant_runner.py")
     env = dict(os.environ, PYTHONPATH=str(root))
     result = subprocess.run(
-        command, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert report_path.exists(), result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(report_path.read_text())
-    report["output"] = result.stdout[-3000:]
-    assert Path(report["nano_v1"]).resolve().is_relative_to(root.resolve()), report["nano_v1"]
-    return report
+        [sys.executable, str(runner), str(work / "jobs.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = {}
+    for i, variant in enumerate(variants):
+        output = (work / f"{i}.log").read_text()[-3000:]
+        assert (work / f"{i}.json").exists(), f"{variant.name}: no report\n{output}"
+        report = json.loads((work / f"{i}.json").read_text())
+        report["output"] = output
+        assert Path(report["nano_v1"]).resolve().is_relative_to(root.resolve()), report["nano_v1"]
+        reports[variant.name] = report
+    return reports
+
+
+def files_naming_tasks() -> list[str]:
+    """The test files that name a task id: only they can mark tests with it, and
+    collecting just them is much cheaper than collecting the whole suite."""
+    return [
+        path.relative_to(REPO_ROOT).as_posix()
+        for path in sorted((REPO_ROOT / "tests").glob("test_*.py"))
+        if any(task.task_id in path.read_text(encoding="utf-8") for task in TASKS)
+    ]
 
 
 @pytest.fixture(scope="module")
 def reference_report(tmp_path_factory) -> dict:
     """Every task's tests, run once against the reference tree."""
-    report_path = tmp_path_factory.mktemp("reference") / "report.json"
-    return run_tests(REPO_ROOT, report_path, " or ".join(t.task_id for t in TASKS))
+    marker = " or ".join(t.task_id for t in TASKS)
+    reference = Variant("reference", None, None, [*files_naming_tasks(), "-m", marker])
+    return run_variants(REPO_ROOT, [reference], tmp_path_factory.mktemp("reference"))["reference"]
 
 
 def task_tests(report: dict, task_id: str) -> dict[str, dict]:
@@ -265,32 +367,67 @@ def earlier_tasks(task_id: str) -> list[str]:
     return [t.task_id for t in TASKS if t.chapter == chapter and int(t.task_id.split("_t")[1]) < int(number)]
 
 
+def stub_variant(task_id: str, reference_report: dict) -> Variant:
+    """Only `task_id` stubbed; its tests run, and those of the chapter's earlier tasks."""
+    task = TASKS_BY_ID[task_id]
+    selected = [task_id, *earlier_tasks(task_id)]
+    # Only the test files that hold these tests: collecting the whole suite costs more.
+    paths = {nodeid.split("::")[0] for t in selected for nodeid in task_tests(reference_report, t)}
+    text = stub_source((REPO_ROOT / task.path).read_text(encoding="utf-8"), [task])
+    return Variant(task_id, task.path, text, [*sorted(paths), "-m", " or ".join(selected)])
+
+
+def mutant_variant(task_id: str, mutant: Mutant, reference_report: dict) -> Variant:
+    """`mutant` planted in `task_id`; the task's tests run, fastest first, until one fails."""
+    task = TASKS_BY_ID[task_id]
+    tests = task_tests(reference_report, task_id)
+    nodeids = sorted(tests, key=lambda nodeid: tests[nodeid]["duration"])
+    text = mutate_source((REPO_ROOT / task.path).read_text(encoding="utf-8"), task, mutant)
+    return Variant(f"{task_id}/{mutant.name}", task.path, text, [*nodeids, "-x"])
+
+
+def selected_variants(session: pytest.Session) -> set[str]:
+    """The stub and mutant variants that the session's selected tests read (`-k ch11` runs ch11's only)."""
+    names = set()
+    for item in session.items:
+        params = getattr(item, "callspec", None)
+        if params is not None and "variant_reports" in item.fixturenames:
+            names.update(str(params.params[key]) for key in ("task_id", "mutant_id") if key in params.params)
+    return names
+
+
 @pytest.fixture(scope="module")
-def stubbed_reports(reference_report, tmp_path_factory) -> dict[str, dict]:
-    """For each task, a student copy with only that task stubbed runs the task's tests and
-    those of the chapter's earlier tasks.
+def variant_reports(request, reference_report, tmp_path_factory) -> dict[str, dict]:
+    """Reports of the stub variants (by task id) and mutant variants ("task_id/name") that the
+    selected tests need."""
+    wanted = selected_variants(request.session)
+    variants = [
+        stub_variant(t.task_id, reference_report)
+        for t in TASKS
+        if t.task_id in wanted and task_tests(reference_report, t.task_id)
+    ]
+    variants += [
+        mutant_variant(task_id, mutant, reference_report)
+        for task_id, mutants in MUTANTS.items()
+        if task_tests(reference_report, task_id)
+        for mutant in mutants
+        if f"{task_id}/{mutant.name}" in wanted
+    ]
 
-    The runs are independent subprocesses, so they go two at a time (CI has 2 cores).
-    """
+    def run_share(worker: int) -> dict[str, dict]:
+        tmp = tmp_path_factory.mktemp(f"worker{worker}")
+        copy_repository(REPO_ROOT, tmp / "copy")
+        return run_variants(tmp / "copy", variants[worker::2], tmp / "runs")
 
-    def run_stubbed(task_id: str) -> dict:
-        tmp = tmp_path_factory.mktemp(task_id)
-        make_student_copy([task_id], tmp / "student")
-        selected = [task_id, *earlier_tasks(task_id)]
-        # Only the test files that hold these tests: collecting the whole suite costs more.
-        paths = {nodeid.split("::")[0] for t in selected for nodeid in task_tests(reference_report, t)}
-        return run_tests(tmp / "student", tmp / "report.json", " or ".join(selected), sorted(paths))
-
-    task_ids = [t.task_id for t in TASKS if task_tests(reference_report, t.task_id)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(task_ids, pool.map(run_stubbed, task_ids)))
+        return {name: report for share in pool.map(run_share, range(2)) for name, report in share.items()}
 
 
 @pytest.mark.parametrize("task_id", [t.task_id for t in TASKS])
-def test_stubbed_task_fails_all_its_tests(task_id, reference_report, stubbed_reports):
+def test_stubbed_task_fails_all_its_tests(task_id, reference_report, variant_reports):
     expected = task_tests(reference_report, task_id)
     assert expected, f"{task_id} has no tests"
-    report = stubbed_reports[task_id]
+    report = variant_reports[task_id]
     assert report["exitstatus"] == 1, report["output"]
     own = task_tests(report, task_id)
     assert own.keys() == expected.keys()
@@ -301,10 +438,10 @@ def test_stubbed_task_fails_all_its_tests(task_id, reference_report, stubbed_rep
 
 
 @pytest.mark.parametrize("task_id", [t.task_id for t in TASKS if earlier_tasks(t.task_id)])
-def test_earlier_tasks_pass_without_later_ones(task_id, stubbed_reports):
+def test_earlier_tasks_pass_without_later_ones(task_id, variant_reports):
     """Tasks are done in order, and each earns its point as soon as it works: with task
     t<k> stubbed, the tests of the chapter's tasks before it still pass."""
-    report = stubbed_reports[task_id]
+    report = variant_reports[task_id]
     earlier = {nodeid: test for nodeid, test in report["tests"].items() if task_id not in test["markers"]}
     assert earlier, f"no tests of {earlier_tasks(task_id)} ran"
     for nodeid, test in earlier.items():
@@ -313,16 +450,72 @@ def test_earlier_tasks_pass_without_later_ones(task_id, stubbed_reports):
         )
 
 
-def test_grade_scores_a_student_copy(reference_report, tmp_path):
-    """The whole student loop for one task: make a copy, then grade it from inside."""
-    task = TASKS[0]
+def test_every_task_has_at_least_three_mutants():
+    assert set(MUTANTS) <= set(TASKS_BY_ID), f"mutants of unknown tasks: {set(MUTANTS) - set(TASKS_BY_ID)}"
+    for task in TASKS:
+        names = [mutant.name for mutant in MUTANTS.get(task.task_id, [])]
+        assert len(names) >= 3, (
+            f"{task.task_id} has {len(names)} mutants; plant at least 3 in assignment_mutants.py"
+        )
+        assert len(set(names)) == len(names), f"{task.task_id}: mutant names repeat"
+
+
+@pytest.mark.parametrize("mutant_id", MUTANT_IDS)
+def test_mutant_applies_and_compiles(mutant_id):
+    """Cheap, and before any run: the snippet is still in the region, the result is Python."""
+    task_id, name = mutant_id.split("/")
+    task = TASKS_BY_ID[task_id]
+    (mutant,) = [m for m in MUTANTS[task_id] if m.name == name]
+    text = (REPO_ROOT / task.path).read_text(encoding="utf-8")
+    mutated = mutate_source(text, task, mutant)
+    assert mutated != text
+    compile(mutated, task.path, "exec")
+
+
+def test_a_rotten_mutant_fails_loudly():
+    (task,) = [t for t in parse_task_regions(SOURCE, "m.py") if t.task_id == "ch09_t1"]
+    with pytest.raises(ValueError, match=r"mutant ch09_t1/gone: .* occurs 0 times in the region at m.py:4"):
+        mutate_source(SOURCE, task, Mutant("gone", "", "y = x + 2", "y = x"))
+    # Text outside the region (here the `return y` after END) is not the region's.
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        mutate_source(SOURCE, task, Mutant("outside", "", "return y", "return 0"))
+    assert mutate_source(SOURCE, task, Mutant("minus", "", "x + 1", "x - 1")) == SOURCE.replace(
+        "y = x + 1", "y = x - 1"
+    )
+
+
+@pytest.mark.parametrize("mutant_id", MUTANT_IDS)
+def test_mutant_is_caught(mutant_id, reference_report, variant_reports):
+    """The task's tests fail with the planted bug, and the first failure teaches."""
+    task_id, name = mutant_id.split("/")
+    (mutant,) = [m for m in MUTANTS[task_id] if m.name == name]
+    report = variant_reports[mutant_id]
+    own = task_tests(report, task_id)
+    assert own.keys() == task_tests(reference_report, task_id).keys(), report["output"]
+    failed = {nodeid: test for nodeid, test in own.items() if test["outcome"] in ("failed", "error")}
+    assert failed, (
+        f"mutant {mutant_id} ({mutant.description}) survived: all {len(own)} tests of {task_id} pass "
+        f"with it; strengthen the tests marked {task_id}"
+    )
+    for nodeid, test in failed.items():
+        assert not test["message"].startswith("assert "), (
+            f"{nodeid} catches {mutant_id} with a bare assert; give the assertion a message that says "
+            f"what is wrong: {test['message']}"
+        )
+
+
+def test_grade_teaches_with_partial_credit(reference_report, tmp_path):
+    """The whole student loop: make a copy of ch04, implement ch04_t1 with a planted bug,
+    leave ch04_t2 a stub, and grade it from inside the copy."""
     copy = tmp_path / "student"
-    make_student_copy([task.task_id], copy)
+    make_student_copy(["ch04"], copy)
+    done, stub = TASKS_BY_ID["ch04_t1"], TASKS_BY_ID["ch04_t2"]
+    (bug,) = [m for m in MUTANTS[done.task_id] if m.name == "eos_despite_ignore_eos"]
+    (copy / done.path).write_text(mutate_source((REPO_ROOT / done.path).read_text(), done, bug))
     score_path = tmp_path / "score.json"
-    # Grading collects the whole suite; the task's own test files are enough here.
-    paths = sorted({nodeid.split("::")[0] for nodeid in task_tests(reference_report, task.task_id)})
+    # Grading collects the whole suite; the file with both tasks' directed tests is enough here.
     command = [sys.executable, "-m", "nano_v1.assignments", "grade", "--json", str(score_path),
-               "--", "-p", "no:cacheprovider", "--hypothesis-profile=fail_fast", *paths]  # fmt: skip
+               "--", "-p", "no:cacheprovider", "--hypothesis-profile=fail_fast", "tests/test_tasks.py"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(copy))
     result = subprocess.run(
         command, cwd=copy, env=env, capture_output=True, text=True, timeout=600, check=False
@@ -330,7 +523,23 @@ def test_grade_scores_a_student_copy(reference_report, tmp_path):
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     scores = json.loads(score_path.read_text())
     assert Path(scores["nano_v1"]).resolve().is_relative_to(copy.resolve())
-    assert [(t["task_id"], t["points"], t["passed"]) for t in scores["tasks"]] == [(task.task_id, 0, 0)]
-    assert scores["tasks"][0]["total"] == len(task_tests(reference_report, task.task_id))
-    assert (scores["score"], scores["max_score"]) == (0, 1)
-    assert f"{task.task_id}  " in result.stdout and "total" in result.stdout
+    t1, t2 = scores["tasks"]
+    in_file = [n for n in task_tests(reference_report, done.task_id) if n.startswith("tests/test_tasks.py")]
+    assert (t1["task_id"], t1["all_passed"], t1["is_stub"]) == (done.task_id, False, False)
+    assert t1["total"] == len(in_file), "ch04_t1's tests in tests/test_tasks.py all count"
+    assert 0 < t1["passed"] < t1["total"] and t1["points"] == t1["passed"] / t1["total"]
+    assert (t2["task_id"], t2["passed"], t2["points"], t2["is_stub"]) == (stub.task_id, 0, 0.0, True)
+    assert (scores["score"], scores["max_score"], scores["all_passed"]) == (t1["points"], 2, False)
+    table = result.stdout[result.stdout.rindex("\ntask ") :]  # after pytest's own output
+    t1_row = (
+        rf"^{done.task_id} +{t1['passed']}/{t1['total']} +{t1['points']:.2f} +{len(t1['failures'])} failing "
+    )
+    assert re.search(t1_row, table, re.MULTILINE), table
+    assert re.search(rf"^{stub.task_id} +0/{t2['total']} +0.00 +to do ", table, re.MULTILINE), table
+    assert re.search(rf"^total +{t1['points']:.2f}/2$", table, re.MULTILINE), table
+    assert f"\n{done.task_id}: {len(t1['failures'])} of {t1['total']} tests fail\n" in table
+    for failure in t1["failures"]:
+        assert f"\n  {failure['test']}: {failure['message']}\n" in table, table
+        assert "ignore_eos" in failure["message"], failure
+    assert f"\n{stub.task_id}: not implemented yet (NotImplementedError): {stub.hint}" in table
+    assert "AssertionError" not in table and "Traceback" not in table, table

@@ -20,6 +20,16 @@ NUM_KV_HEADS = 2
 BLOCK_SIZE = 8
 
 
+@pytest.mark.ch01_t1
+@pytest.mark.parametrize("num_padding_slots", [0, 3])
+def test_reshape_and_cache_flash_writes_exactly_the_mapped_slots(num_padding_slots):
+    rng = np.random.default_rng(num_padding_slots)
+    torch.manual_seed(num_padding_slots)
+    batch = make_paged_batch(rng, *random_batch(rng, num_reqs=6), NUM_KV_HEADS, 2, 64, BLOCK_SIZE)
+    check_reshape_and_cache(reshape_and_cache_flash, batch, num_padding_slots=num_padding_slots)
+
+
+@pytest.mark.ch01_t2
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4])

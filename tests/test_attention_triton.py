@@ -9,6 +9,8 @@ Sizes are small because the interpreter runs each program in Python.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -67,10 +69,14 @@ CASES = [
 ]
 
 
+@pytest.mark.ch06_t2
 @pytest.mark.parametrize(
-    "case", CASES,
-    ids=[f"{DTYPE_IDS[d]}-g{g}-d{h}-{'causal' if c else 'noncausal'}{'-decode' if dec else ''}"
-         for d, g, h, c, dec in CASES],
+    "case",
+    CASES,
+    ids=[
+        f"{DTYPE_IDS[d]}-g{g}-d{h}-{'causal' if c else 'noncausal'}{'-decode' if dec else ''}"
+        for d, g, h, c, dec in CASES
+    ],
 )
 def test_unified_attention_matches_float64(case):
     dtype, group, head_size, causal, decode_only = case
@@ -83,8 +89,17 @@ def test_unified_attention_matches_float64(case):
     out = torch.full_like(padded["q"], float("nan"))
 
     lse = unified_attention(
-        padded["q"], batch.key_cache, batch.value_cache, out, padded["cu_seqlens_q"], max(batch.query_lens),
-        padded["seqused_k"], max(batch.seq_lens), head_size**-0.5, causal, padded["block_table"],
+        padded["q"],
+        batch.key_cache,
+        batch.value_cache,
+        out,
+        padded["cu_seqlens_q"],
+        max(batch.query_lens),
+        padded["seqused_k"],
+        max(batch.seq_lens),
+        head_size**-0.5,
+        causal,
+        padded["block_table"],
         return_lse=True,
     )
 
@@ -93,6 +108,7 @@ def test_unified_attention_matches_float64(case):
     assert out[batch.num_tokens :].isnan().all(), "the kernel wrote padding rows"
 
 
+@pytest.mark.ch06_t2
 def test_unified_attention_without_lse_matches_reference():
     """`return_lse=False` compiles a kernel without the LSE store; same output as the reference."""
     rng = np.random.default_rng(7)
@@ -101,9 +117,13 @@ def test_unified_attention_without_lse_matches_reference():
     out, ref = torch.full_like(batch.q, float("nan")), torch.full_like(batch.q, float("nan"))
     assert unified_attention(*batch.attention_args(batch.q, out, True)) is None
     reference.unified_attention(*batch.attention_args(batch.q, ref, True))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, ref, atol=1e-5, rtol=1e-5,
+        msg=lambda m: f"without the LSE the kernel's output must still equal the reference attention; {m}",
+    )  # fmt: skip
 
 
+@pytest.mark.ch06_t1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 def test_reshape_and_cache_flash_writes_exactly_the_mapped_slots(dtype):
     rng = np.random.default_rng(3)
@@ -136,9 +156,13 @@ def _split_attention(q, k, v, context_len: int, split: int, scale: float):
     return parts
 
 
+# The reference merge is task ch07_t1 (chapter 07 explains the merge; chapter 06 its kernel).
+MERGE_IMPLS = [pytest.param("reference", marks=[pytest.mark.ch07, pytest.mark.ch07_t1]), "triton"]
+
+
 @pytest.mark.parametrize("empty_lse", [float("-inf"), float("inf")], ids=["empty=-inf", "empty=+inf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", MERGE_IMPLS)
 def test_merge_attn_states_of_random_splits_is_the_unsplit_attention(impl, dtype, empty_lse):
     merge = merge_attn_states if impl == "triton" else reference.merge_attn_states
     rng = np.random.default_rng(11)
@@ -153,7 +177,9 @@ def test_merge_attn_states_of_random_splits_is_the_unsplit_attention(impl, dtype
         args = (batch.q[rows], batch.keys[r], batch.values[r], batch.context_lens[r])
         parts.append(_split_attention(*args, split, scale))
         unsplit.append(naive_attention(*args, scale, causal=True))
-    prefix_out, prefix_lse, suffix_out, suffix_lse = (torch.cat([p[i] for p in parts], dim=i % 2) for i in range(4))
+    prefix_out, prefix_lse, suffix_out, suffix_lse = (
+        torch.cat([p[i] for p in parts], dim=i % 2) for i in range(4)
+    )
     ref_out, ref_lse = torch.cat([u[0] for u in unsplit]), torch.cat([u[1] for u in unsplit], dim=1)
 
     def as_given(lse: torch.Tensor) -> torch.Tensor:  # float32, empty parts marked by `empty_lse`
@@ -161,13 +187,58 @@ def test_merge_attn_states_of_random_splits_is_the_unsplit_attention(impl, dtype
 
     output = torch.full(prefix_out.shape, float("nan"), dtype=dtype)
     output_lse = torch.full(prefix_lse.shape, float("nan"))
-    merge(output, prefix_out.to(dtype), as_given(prefix_lse), suffix_out.to(dtype), as_given(suffix_lse), output_lse)
+    merge(
+        output,
+        prefix_out.to(dtype),
+        as_given(prefix_lse),
+        suffix_out.to(dtype),
+        as_given(suffix_lse),
+        output_lse,
+    )
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(output.double(), ref_out, atol=atol, rtol=rtol)
-    torch.testing.assert_close(output_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    empty = "an empty part's LSE is " + ("-inf" if empty_lse < 0 else "+inf")
+    torch.testing.assert_close(
+        output.double(), ref_out, atol=atol, rtol=rtol,
+        msg=lambda m: f"the merged output is not the attention over the union of the keys ({empty}); {m}",
+    )  # fmt: skip
+    torch.testing.assert_close(
+        output_lse.double(), ref_lse, atol=1e-5, rtol=1e-5,
+        msg=lambda m: f"the merged LSE is not the log-sum-exp over the union of the keys ({empty}); {m}",
+    )  # fmt: skip
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", MERGE_IMPLS)
+def test_merge_attn_states_with_large_lse_does_not_overflow(impl):
+    """LSEs of 1000 (scores of that size occur without a scale, or in float32 accumulations):
+    exp(1000) overflows float32, exp(lse - max lse) does not."""
+    merge = merge_attn_states if impl == "triton" else reference.merge_attn_states
+    num_tokens, num_heads, head_size = 4, 2, 16
+    prefix_out, suffix_out = torch.randn(2, num_tokens, num_heads, head_size)
+    prefix_lse = torch.full((num_heads, num_tokens), 1000.0)
+    suffix_lse = prefix_lse + torch.tensor([0.0, math.log(3.0), -50.0, 50.0])  # weights 1:1, 1:3, ~1:0, ~0:1
+    suffix_share = torch.tensor([0.5, 0.75, 0.0, 1.0]).double()
+    expected = (
+        prefix_out.double() * (1 - suffix_share)[:, None, None]
+        + suffix_out.double() * suffix_share[:, None, None]
+    )
+    output = torch.full_like(prefix_out, float("nan"))
+    output_lse = torch.full_like(prefix_lse, float("nan"))
+    merge(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
+    assert torch.isfinite(output).all(), (
+        "LSEs near 1000 must merge to finite outputs: shift by the larger LSE first"
+    )
+    torch.testing.assert_close(
+        output.double(), expected, atol=1e-4, rtol=1e-4,
+        msg=lambda m: f"LSEs 1000 and 1000 + (0, ln 3, -50, 50) give the suffix shares (1/2, 3/4, 0, 1); {m}",
+    )  # fmt: skip
+    expected_lse = torch.logsumexp(torch.stack([prefix_lse, suffix_lse]).double(), dim=0)
+    torch.testing.assert_close(
+        output_lse.double(), expected_lse, atol=1e-4, rtol=1e-6,
+        msg=lambda m: f"the merged LSE must be log(exp(prefix LSE) + exp(suffix LSE)), without overflow; {m}",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", MERGE_IMPLS)
 def test_merge_attn_states_of_two_empty_parts_is_zero(impl):
     merge = merge_attn_states if impl == "triton" else reference.merge_attn_states
     num_tokens, num_heads, head_size = 3, 2, 64
@@ -177,10 +248,18 @@ def test_merge_attn_states_of_two_empty_parts_is_zero(impl):
     output = torch.full_like(prefix_out, float("nan"))
     output_lse = torch.full_like(prefix_lse, float("nan"))
     merge(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
-    assert (output[:2] == 0).all(), "two empty parts must merge to 0"
-    assert (output_lse[:, :2] == float("-inf")).all()
-    torch.testing.assert_close(output[2], prefix_out[2])  # only the prefix has keys
-    torch.testing.assert_close(output_lse[:, 2], prefix_lse[:, 2])
+    assert (output[:2] == 0).all(), "two empty parts (LSE +inf or -inf each) must merge to 0, not NaN"
+    assert (output_lse[:, :2] == float("-inf")).all(), "two empty parts must merge to an LSE of -inf"
+    torch.testing.assert_close(
+        output[2],
+        prefix_out[2],
+        msg=lambda m: f"only the prefix has keys: the output must be the prefix's; {m}",
+    )
+    torch.testing.assert_close(
+        output_lse[:, 2],
+        prefix_lse[:, 2],
+        msg=lambda m: f"only the prefix has keys: the LSE must be the prefix's; {m}",
+    )
 
 
 # ------------------------------------------------------------------------ on a GPU
@@ -199,15 +278,16 @@ def test_unified_attention_on_cuda_at_qwen3_shape(dtype):
     assert_matches_naive(batch, out.cpu(), lse.cpu(), True, atol=atol, rtol=rtol)
 
 
-
 @pytest.mark.gpu
 def test_unified_attention_replays_in_a_cuda_graph_for_other_decode_batches():
     """Captured once for 16 decode slots, replayed for batches of 16, 9 and 3 requests with
     other contexts: the grid comes from shapes and each program finds its request on the
     device, so one graph serves every composition (chapter 08 relies on this)."""
     rng = np.random.default_rng(2)
-    batches = [make_paged_batch(rng, *_decode_only(rng, n), 8, 2, 128, BLOCK_SIZE, torch.bfloat16)
-               for n in (16, 9, 3)]
+    batches = [
+        make_paged_batch(rng, *_decode_only(rng, n), 8, 2, 128, BLOCK_SIZE, torch.bfloat16)
+        for n in (16, 9, 3)
+    ]
     num_slots = 16
     num_blocks = max(b.key_cache.shape[0] for b in batches)
     max_pages = max(b.block_table.shape[1] for b in batches)
@@ -237,7 +317,9 @@ def test_unified_attention_replays_in_a_cuda_graph_for_other_decode_batches():
         return n
 
     def attend() -> None:
-        unified_attention(q, k_cache, v_cache, out, cu_seqlens_q, 1, seqused_k, 0, 128**-0.5, True, block_table)
+        unified_attention(
+            q, k_cache, v_cache, out, cu_seqlens_q, 1, seqused_k, 0, 128**-0.5, True, block_table
+        )
 
     load(batches[0])
     attend()  # compiles the kernel outside the capture
@@ -273,6 +355,7 @@ def test_merge_attn_states_on_cuda_matches_reference():
     torch.testing.assert_close(lse, ref_lse)
     assert (out[10:20] == 0).all()
 
+
 # ------------------------------------------------------------------------ the kernel benchmark
 def test_benchmark_baseline_matches_float64():
     """gather_sdpa_attention, the benchmark's baseline, is a correct implementation too."""
@@ -297,8 +380,13 @@ def test_benchmark_runs_on_cpu_and_counts_bytes():
 
     ceilings = DeviceCeilings("test", memory_bandwidth=1e10, matmul_flops=1e11, dtype="float32")
     result = run_attention_kernels(torch.device("cpu"), ceilings, repeats=1, check_triton=False)
-    assert result["shape"] == {"num_heads": 16, "num_kv_heads": 8, "head_size": 128, "block_size": 16,
-                               "dtype": "float32"}
+    assert result["shape"] == {
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "head_size": 128,
+        "block_size": 16,
+        "dtype": "float32",
+    }
     decode = next(r for r in result["rows"] if r["workload"].startswith("decode"))
     # Each context's K and V once (8 KV heads x 128 x 4 bytes each), plus q read and out written.
     kv = decode["context_tokens"] * 2 * 8 * 128 * 4
@@ -308,4 +396,6 @@ def test_benchmark_runs_on_cpu_and_counts_bytes():
         for name in ("gather_sdpa", "reference"):
             t = row[name]
             assert t["time_ms"] > 0
-            assert t["fraction_of_copy_bandwidth"] == pytest.approx(row["bytes"] / 1e10 / (t["time_ms"] / 1e3))
+            assert t["fraction_of_copy_bandwidth"] == pytest.approx(
+                row["bytes"] / 1e10 / (t["time_ms"] / 1e3)
+            )

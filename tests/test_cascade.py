@@ -57,6 +57,7 @@ GRID = list(
 )
 
 
+@pytest.mark.ch07_t2
 def test_rule_on_a_grid():
     outcomes = []
     for prefix, num_reqs, kind, (heads, kv_heads), variant, sms in GRID:
@@ -74,11 +75,15 @@ def test_rule_on_a_grid():
             num_sms=sms,
         )
         expected = vllm_rule(prefix, query_lens.tolist(), heads, kv_heads, variant is not None, sms)
-        assert got == expected, (prefix, num_reqs, kind, heads, kv_heads, variant, sms)
+        assert got == expected, (
+            f"{num_reqs} requests ({'all decodes' if kind == 'decode' else 'one with 17 queries'}) on a "
+            f"{prefix}-token prefix, {heads} query heads over {kv_heads} KV heads, "
+            f"{variant or 'plain attention'}, {sms} SMs: vLLM's rule says cascade={expected}, got {got}"
+        )
         if variant is None and kind == "decode" and heads != kv_heads and prefix >= 256 and num_reqs >= 8:
             outcomes.append(got)
     # The cost model itself must go both ways on this grid, or the grid tests only the thresholds.
-    assert True in outcomes and False in outcomes
+    assert True in outcomes and False in outcomes, "the grid must exercise both outcomes of the cost model"
 
 
 @pytest.mark.parametrize(
@@ -92,11 +97,19 @@ def test_rule_on_a_grid():
         (256, 8, 64, 8, 132, False),
         # Multi-head attention never uses flash-decoding: cascade whenever the thresholds pass.
         (256, 8, 32, 32, 132, True),
+        # Even where flash-decoding's estimate would win (1 head: 8 x 1 x 2 = 16 CTAs in 1 wave,
+        # against cascade's 1 wave x 2 tiles), without grouped heads it is not used: cascade.
+        (256, 8, 1, 1, 132, True),
     ],
 )
+@pytest.mark.ch07_t2
 def test_rule_by_hand(prefix, num_reqs, heads, kv_heads, sms, expected):
     query_lens = np.ones(num_reqs, dtype=np.int32)
-    assert use_cascade_attention(prefix, query_lens, heads, kv_heads, False, False, False, sms) is expected
+    got = use_cascade_attention(prefix, query_lens, heads, kv_heads, False, False, False, sms)
+    assert got is expected, (
+        f"{num_reqs} decodes on a {prefix}-token prefix, {heads} query heads over {kv_heads} KV heads, "
+        f"{sms} SMs: the tile-wave estimate says cascade={expected}, got {got}"
+    )
 
 
 # ---------------------------------------------------------------- the computation
@@ -327,8 +340,14 @@ def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
 def test_triton_attn_never_cascades():
     """vLLM v0.11.0's TRITON_ATTN has no cascade path: its builder says no where FLASH_ATTN's says yes."""
     cascading_step = dict(
-        common_prefix_len=1024, query_lens=np.ones(64, dtype=np.int32), num_query_heads=16, num_kv_heads=16,
-        use_alibi=False, use_sliding_window=False, use_local_attention=False, num_sms=132,
+        common_prefix_len=1024,
+        query_lens=np.ones(64, dtype=np.int32),
+        num_query_heads=16,
+        num_kv_heads=16,
+        use_alibi=False,
+        use_sliding_window=False,
+        use_local_attention=False,
+        num_sms=132,
     )
     device = torch.device("cpu")
     assert FlashAttentionMetadataBuilder(device).use_cascade_attention(**cascading_step)

@@ -20,11 +20,12 @@ from conftest import make_vllm_config
 from test_llm import hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
+from nano_v1.compilation.backends import split_graph
 from nano_v1.compilation.counter import compilation_counter
 from nano_v1.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper, GraphPool
 from nano_v1.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from nano_v1.engine.llm_engine import LLMEngine
-from nano_v1.forward_context import set_forward_context
+from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
 pytestmark = pytest.mark.ch08
@@ -53,6 +54,55 @@ def compiled_llm(tiny_qwen3):
 
 
 # ------------------------------------------------------------------ the split
+def dense_sin_dense(x):
+    """Three dense ops around two splitting ones (aten.sin stands in for attention)."""
+    a = x + 1
+    b = torch.ops.aten.sin.default(a)
+    c = b * 2
+    d = torch.ops.aten.sin.default(c)
+    return d - 1
+
+
+def sin_first_then_twice(x):
+    """A splitting op first, and two in a row: no dense piece before, none between."""
+    a = torch.ops.aten.sin.default(x)
+    b = torch.ops.aten.sin.default(a)
+    return b * 3
+
+
+@pytest.mark.ch08_t1
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        pytest.param(
+            dense_sin_dense, [(0, False, 1), (1, True, 1), (2, False, 1), (3, True, 1), (4, False, 1)],
+            id="dense_op_dense",
+        ),
+        pytest.param(
+            sin_first_then_twice, [(1, True, 1), (3, True, 1), (4, False, 1)], id="op_first_and_adjacent"
+        ),
+    ],
+)  # fmt: skip
+def test_split_graph_gives_each_splitting_op_its_own_piece(fn, expected):
+    graph = torch.fx.symbolic_trace(fn)
+    split_gm, items = split_graph(graph, ["aten.sin"])
+    got = [
+        (
+            item.graph_id,
+            item.is_splitting_graph,
+            len([n for n in item.graph.graph.nodes if n.op == "call_function"]),
+        )
+        for item in items
+    ]
+    assert got == expected, (
+        f"pieces as (graph id, is a splitting op, number of ops): expected {expected}, got {got}; ids count "
+        "up in program order, a splitting op takes an id of its own and the ops after it the next one"
+    )
+    x = torch.randn(5)
+    assert torch.equal(split_gm(x), fn(x)), "the split module must compute what the graph computes"
+
+
+@pytest.mark.ch08_t1
 def test_split_has_one_piece_per_attention_and_between(compiled_llm):
     backend = runner_of(compiled_llm).compile_backend
     items = backend.piecewise_graphs
@@ -111,18 +161,14 @@ def test_greedy_parity_with_compilation(compiled_llm, prompts_and_expected):
 # ------------------------------------------------------------------ configuration
 def test_capture_size_ladder_and_padding():
     config = CompilationConfig(level=3, cudagraph_mode="PIECEWISE")
-    config.resolve(
-        "cuda", enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=8192
-    )
+    config.resolve("cuda", enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=8192)
     assert config.cudagraph_capture_sizes == [1, 2, 4] + list(range(8, 513, 8))
     assert config.max_capture_size == 512
     expected = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 17: 24, 250: 256, 511: 512, 512: 512}
     assert {n: config.pad_for_cudagraph(n) for n in expected} == expected
     # Sizes above the token budget are never reached; user sizes are sorted and deduplicated.
     small = CompilationConfig(level=3, cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=[16, 4, 4, 64])
-    small.resolve(
-        "cuda", enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=32
-    )
+    small.resolve("cuda", enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=32)
     assert small.cudagraph_capture_sizes == [4, 16] and small.max_capture_size == 16
 
 
@@ -133,28 +179,27 @@ def test_capture_size_ladder_and_padding():
         ("cpu", {}, CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE),
         ("cpu", {"level": 3}, CompilationLevel.PIECEWISE, CUDAGraphMode.NONE),
         ("cuda", {"mode": 0}, CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE),
-        ("cuda", {"cudagraph_mode": "FULL_AND_PIECEWISE"}, CompilationLevel.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE),
+        (
+            "cuda",
+            {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+            CompilationLevel.PIECEWISE,
+            CUDAGraphMode.FULL_AND_PIECEWISE,
+        ),
     ],
 )
 def test_defaults_per_device(device, kwargs, level, mode):
     config = CompilationConfig.from_arg(kwargs)
-    config.resolve(
-        device, enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64
-    )
+    config.resolve(device, enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64)
     assert (config.level, config.cudagraph_mode) == (level, mode)
     assert bool(config.cudagraph_capture_sizes) == (mode != CUDAGraphMode.NONE)
 
 
 def test_full_graphs_with_triton_and_enforce_eager():
     full = CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")
-    full.resolve(
-        "cuda", enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64
-    )
+    full.resolve("cuda", enforce_eager=False, max_num_seqs=16, max_num_batched_tokens=64)
     assert full.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
     eager = CompilationConfig.from_arg(3)
-    eager.resolve(
-        "cuda", enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=64
-    )
+    eager.resolve("cuda", enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=64)
     assert (eager.level, eager.cudagraph_mode, eager.cudagraph_capture_sizes) == (0, CUDAGraphMode.NONE, [])
 
 
@@ -174,9 +219,7 @@ def test_full_graphs_with_triton_and_enforce_eager():
 def test_bad_compilation_config_is_a_clear_error(device, value):
     with pytest.raises(ValueError, match="compilation|cudagraph|level"):
         config = CompilationConfig.from_arg(value)
-        config.resolve(
-            device, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=64
-        )
+        config.resolve(device, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 @pytest.mark.parametrize("value", [CompilationConfig(level=3), {"mode": 3}, 3, "3", '{"level": 3}'])
@@ -207,6 +250,50 @@ class FakeCUDAGraphWrapper(CUDAGraphWrapper):
         new = self.runnable(*args)
         for old, fresh in zip(*(o if isinstance(o, tuple) else (o,) for o in (captured, new))):
             old.copy_(fresh)
+
+
+@pytest.mark.ch08_t2
+def test_wrapper_captures_once_per_batch_size_then_replays_in_place(monkeypatch):
+    monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
+    events = FakeCUDAGraphWrapper.events
+    wrapper = FakeCUDAGraphWrapper(lambda x: x * 2, CUDAGraphMode.PIECEWISE, None)
+    x4, x8 = torch.arange(4.0), torch.arange(8.0)
+
+    def call(x, mode=CUDAGraphMode.PIECEWISE, num_tokens=4):
+        descriptor = None if num_tokens is None else BatchDescriptor(num_tokens)
+        with set_forward_context(None, cudagraph_runtime_mode=mode, batch_descriptor=descriptor):
+            return wrapper(x)
+
+    for mode, num_tokens, why in [
+        (CUDAGraphMode.NONE, 4, "a step without graphs"),
+        (CUDAGraphMode.FULL, 4, "a step in another graph mode (FULL) than the wrapper's (PIECEWISE)"),
+        (CUDAGraphMode.PIECEWISE, None, "a step without a batch descriptor"),
+    ]:
+        out = call(x4, mode, num_tokens)
+        assert torch.equal(out, x4 * 2) and events == [], (
+            f"{why} must run the callable eagerly; events {events}"
+        )
+    captured = compilation_counter.num_cudagraph_captured
+    first = call(x4)
+    assert events == [("capture", "PIECEWISE", 4)] and torch.equal(first, x4 * 2), (
+        f"the first call at 4 tokens must capture a graph and return its output; events {events}"
+    )
+    assert compilation_counter.num_cudagraph_captured == captured + 1, "each capture must be counted"
+    x4.add_(10)  # the runner writes each step's inputs into the same buffers
+    again = call(x4)
+    assert events[1:] == [("replay", "PIECEWISE", 4)], (
+        f"the second call at 4 tokens must replay; events {events}"
+    )
+    assert torch.equal(again, x4 * 2) and again.data_ptr() == first.data_ptr(), (
+        "a replay returns the captured output tensors, which the graph has just overwritten"
+    )
+    call(x8, num_tokens=8)
+    assert events[2:] == [("capture", "PIECEWISE", 8)], (
+        f"a new batch size gets its own graph; events {events}"
+    )
+    with pytest.raises(AssertionError, match="inputs moved"):
+        call(torch.arange(4.0))  # same size, other memory: the graph would read stale inputs
+    assert len(events) == 3, "a replay with inputs at other addresses must be refused, not run"
 
 
 def engine_with_fake_graphs(
@@ -277,7 +364,11 @@ def test_full_decode_graph_with_padding(tiny_qwen3, prompts_and_expected, monkey
     prompts, expected = prompts_and_expected
     # A FULL graph holds attention too: the Triton kernel (interpreted here), which plans on the device.
     engine = engine_with_fake_graphs(
-        tiny_qwen3, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], monkeypatch, attention_backend="TRITON_ATTN"
+        tiny_qwen3,
+        CUDAGraphMode.FULL_AND_PIECEWISE,
+        [1, 2, 4, 8],
+        monkeypatch,
+        attention_backend="TRITON_ATTN",
     )
     events = FakeCUDAGraphWrapper.events
     assert [e for e in events if e[1] == "FULL"] == [("capture", "FULL", n) for n in (8, 4, 2, 1)]
@@ -329,6 +420,10 @@ def test_cuda_graphs_equal_eager_across_batch_changes(tiny_qwen3):
     eager = greedy(enforce_eager=True, attention_backend="TRITON_ATTN")
     full = greedy(
         attention_backend="TRITON_ATTN",
-        compilation_config={"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": sizes},
+        compilation_config={
+            "level": 3,
+            "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "cudagraph_capture_sizes": sizes,
+        },
     )
     assert full == eager

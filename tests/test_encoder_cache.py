@@ -251,24 +251,42 @@ def try_schedule(sched: Scheduler, request: Request, num_computed: int, num_new:
     return sched._try_schedule_encoder_inputs(request, num_computed, num_new, budget)
 
 
+def check_try_schedule(
+    sched: Scheduler, request: Request, num_computed: int, num_new: int, budget: int, expected, why: str
+) -> None:
+    """_try_schedule_encoder_inputs must give `expected` (inputs to encode, num_new_tokens, budget left)."""
+    got = try_schedule(sched, request, num_computed, num_new, budget)
+    assert got == expected, (
+        f"{why}: for the chunk [{num_computed}, {num_computed + num_new}) with an encoder budget of "
+        f"{budget}, expected to encode inputs {expected[0]}, schedule {expected[1]} tokens and leave "
+        f"{expected[2]} of budget; got inputs {got[0]}, {got[1]} tokens, {got[2]} left"
+    )
+
+
 @pytest.mark.ch11_t1
 def test_try_schedule_encodes_covered_images_and_cuts_before_the_rest():
     sched = make_mm_scheduler(
         max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=16, max_image_tokens=8
     )
     req, _ = mm_request("r", [1, 2, ("A", 8), 3, ("B", 8), 4], block_size=None)  # A at 2..9, B at 11..18
-    # Text only: A starts at the chunk's end, so nothing to encode.
-    assert try_schedule(sched, req, 0, 2, 16) == ([], 2, 16)
-    # The chunk reaches into A: A is encoded now, whole.
-    assert try_schedule(sched, req, 0, 5, 16) == ([0], 5, 8)
-    # Budget for one image: A, then the chunk stops right before B.
-    assert try_schedule(sched, req, 0, 20, 12) == ([0], 11, 4)
-    # No budget at all: only the text before A.
-    assert try_schedule(sched, req, 0, 20, 4) == ([], 2, 4)
-    # A is behind the chunk (its positions are computed): only B.
-    assert try_schedule(sched, req, 10, 10, 16) == ([1], 10, 8)
-    # The chunk starts inside A, which cannot be encoded: nothing at all.
-    assert try_schedule(sched, req, 5, 10, 4) == ([], 0, 4)
+    check_try_schedule(sched, req, 0, 2, 16, ([], 2, 16), "text only: A starts at the chunk's end")
+    check_try_schedule(sched, req, 0, 5, 16, ([0], 5, 8), "the chunk reaches into A: A is encoded now, whole")
+    check_try_schedule(
+        sched, req, 0, 20, 12, ([0], 11, 4), "budget for one image: A, then the chunk stops right before B"
+    )
+    check_try_schedule(sched, req, 0, 20, 4, ([], 2, 4), "no budget for A: only the text before it")
+    check_try_schedule(
+        sched,
+        req,
+        10,
+        10,
+        16,
+        ([1], 10, 8),
+        "A's positions are behind the chunk (computed): only B is encoded",
+    )
+    check_try_schedule(
+        sched, req, 5, 10, 4, ([], 0, 4), "the chunk starts inside A, which cannot be encoded: nothing at all"
+    )
 
 
 @pytest.mark.ch11_t1
@@ -280,10 +298,13 @@ def test_try_schedule_skips_cached_images_and_encodes_a_repeated_one_once():
     first, _ = mm_request("first", [("A", 8), 1], block_size=None)
     manager.allocate(first, 0)
     twice, _ = mm_request("twice", [1, ("A", 8), ("B", 4), ("B", 4)], block_size=None)
-    # A is cached (computed for `first`): no encoding, and `twice` now refers to it.
-    # B appears twice: encoded once, for 4 tokens of budget.
-    assert try_schedule(sched, twice, 0, 17, 16) == ([1], 17, 12)
-    assert manager.cached["A"] == {"first", "twice"}
+    check_try_schedule(
+        sched, twice, 0, 17, 16, ([1], 17, 12),
+        "A is cached (encoded for `first`), so not encoded again; B appears twice and is encoded once",
+    )  # fmt: skip
+    assert manager.cached["A"] == {"first", "twice"}, (
+        "a cache hit must make the request refer to the cached image (check_and_update_cache)"
+    )
 
 
 @pytest.mark.ch11_t1
@@ -292,14 +313,21 @@ def test_try_schedule_respects_the_cache_size_and_chunked_mm_input():
         max_num_batched_tokens=64, max_num_encoder_input_tokens=64, encoder_cache_size=12, max_image_tokens=8
     )
     req, _ = mm_request("r", [1, ("A", 8), ("B", 8), 2], block_size=None)
-    # The budget would take both, the cache holds 12 tokens: A only, and stop before B.
-    assert try_schedule(sched, req, 0, 18, 64) == ([0], 9, 56)
+    check_try_schedule(
+        sched, req, 0, 18, 64, ([0], 9, 56),
+        "the budget would take both images but the encoder cache holds 12 tokens: A only, then stop before B",
+    )  # fmt: skip
     unchunked = make_mm_scheduler(
         max_num_batched_tokens=64, max_image_tokens=8, disable_chunked_mm_input=True
     )
-    # A chunk that would end inside A stops before it; one that takes A whole may go on.
-    assert try_schedule(unchunked, req, 0, 5, 64) == ([], 1, 64)
-    assert try_schedule(unchunked, req, 0, 9, 64) == ([0], 9, 56)
+    check_try_schedule(
+        unchunked, req, 0, 5, 64, ([], 1, 64),
+        "with disable_chunked_mm_input, a chunk that would end inside A stops before it",
+    )  # fmt: skip
+    check_try_schedule(
+        unchunked, req, 0, 9, 64, ([0], 9, 56),
+        "with disable_chunked_mm_input, a chunk that takes A whole may go on",
+    )  # fmt: skip
 
 
 @pytest.mark.ch11_t1
@@ -319,12 +347,16 @@ def test_seed_schedule_text_image_text():
             sched.update_from_output(so, runner.execute_model(so))
         return steps
 
-    # Chunks that stop before the image: {r: 10} (text), {r: 50} (the image, encoded), {r: 10} (text).
-    assert chunks(disable_chunked_mm_input=True) == [
-        ({"r": 10}, {}), ({"r": 50}, {"r": [0]}), ({"r": 10}, {}), ({"r": 1}, {})
-    ]  # fmt: skip
-    # Chunks across the image: it is encoded with the first one, the second reads the cache.
-    assert chunks() == [({"r": 50}, {"r": [0]}), ({"r": 20}, {}), ({"r": 1}, {})]
+    unchunked = chunks(disable_chunked_mm_input=True)
+    assert unchunked == [({"r": 10}, {}), ({"r": 50}, {"r": [0]}), ({"r": 10}, {}), ({"r": 1}, {})], (
+        "with disable_chunked_mm_input and a 50-token budget, the steps must be the 10 text tokens, the "
+        f"image (encoded), the 10 text tokens, one decode; got (tokens, encoder inputs) {unchunked}"
+    )
+    across = chunks()
+    assert across == [({"r": 50}, {"r": [0]}), ({"r": 20}, {}), ({"r": 1}, {})], (
+        "with chunks across images, the first 50-token chunk encodes the image and the next reads the "
+        f"cache; got (tokens, encoder inputs) {across}"
+    )
 
 
 def random_mm_workload(
@@ -436,9 +468,12 @@ def test_mm_extra_keys_are_exactly_the_images_in_the_block(layout, block_size):
     request, _ = mm_request("r", layout, block_size=None)
     for start in range(0, request.num_tokens, block_size):
         end = start + block_size
-        assert kv_cache_utils._gen_mm_extra_hash_keys(request, start, end) == brute_force_keys(
-            request, start, end
-        ), (start, end)
+        got = kv_cache_utils._gen_mm_extra_hash_keys(request, start, end)
+        expected = brute_force_keys(request, start, end)
+        images = [(f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features]
+        assert got == expected, (
+            f"block [{start}, {end}) overlaps images {expected}, got {got}; images (id, offset, length): {images}"
+        )
 
 
 @pytest.mark.ch11_t2
@@ -448,12 +483,24 @@ def test_block_hashes_differ_from_the_first_block_with_a_different_image():
     b, _ = mm_request("b", [*text, ("B", 6), 7, 8, 9, 10])
     a_again, _ = mm_request("a2", [*text, ("A", 6), 7, 8, 9, 10])
     # 4-token blocks: block 0 is text, block 1 holds text and the image's first two rows.
-    assert a.block_hashes[0] == b.block_hashes[0]
-    assert all(x != y for x, y in zip(a.block_hashes[1:], b.block_hashes[1:]))
-    assert a.block_hashes == a_again.block_hashes
+    assert a.block_hashes[0] == b.block_hashes[0], (
+        "block 0 holds text only: its hash must not depend on the image that follows it"
+    )
+    differ = [x != y for x, y in zip(a.block_hashes[1:], b.block_hashes[1:])]
+    assert all(differ), (
+        f"blocks 1-4 hold (parts of) image A or B: every hash must differ; equal at blocks "
+        f"{[i + 1 for i, d in enumerate(differ) if not d]}"
+    )
+    assert a.block_hashes == a_again.block_hashes, "the same prompt with the same image must hash the same"
     # A text-only request's hashes are what they were before images existed: no extra keys.
     text_only, _ = mm_request("t", text + [0] * 10)
-    assert text_only.block_hashes[0] == a.block_hashes[0] and text_only.block_hashes[1] != a.block_hashes[1]
+    assert text_only.block_hashes[0] == a.block_hashes[0], (
+        "a text-only block gets no extra keys: its hash must equal the same text's in an image prompt"
+    )
+    assert text_only.block_hashes[1] != a.block_hashes[1], (
+        "block 1 of the image prompt holds image positions: its hash must differ from the same "
+        "placeholder tokens without an image"
+    )
 
 
 @pytest.mark.ch11_t2
@@ -466,6 +513,10 @@ def test_prefix_cache_shares_blocks_for_the_same_image_only():
     other, other_content = mm_request("other", [*text, ("B", 8), 9, 9, 9])
     outputs, _, _ = run_to_completion(sched, [(same, same_content), (other, other_content)], runner=runner)
     # 17 tokens: the same image hits all 4 full blocks; another image only the text block before it.
-    assert same.num_cached_tokens == 16 and other.num_cached_tokens == 4
+    assert (same.num_cached_tokens, other.num_cached_tokens) == (16, 4), (
+        "a 17-token prompt with the same image must hit all 4 full blocks (16 tokens), one with another "
+        "image only the text block before it (4); got "
+        f"{same.num_cached_tokens} and {other.num_cached_tokens}"
+    )
     assert outputs["same"] == reference_output(same_content, 3)
     assert outputs["other"] == reference_output(other_content, 3)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import signal
 import threading
 import time
+import types
 
 import pytest
 from test_llm import prefix_cache_counters, shared_prefix_prompts
@@ -20,9 +22,11 @@ from nano_v1.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequestType,
     EngineDeadError,
     UtilityOutput,
 )
+from nano_v1.engine.core import EngineCoreProc
 from nano_v1.engine.core_client import InprocClient, SyncMPClient
 from nano_v1.engine.detokenizer import IncrementalDetokenizer
 from nano_v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -161,3 +165,135 @@ def test_killed_engine_core_fails_generate_fast(monkeypatch):
             llm.generate(PROMPTS[0], params, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+
+
+# ---------------------------------------------------------------- the busy loop, without sockets
+class QueueOnlyCore(EngineCoreProc):
+    """The busy loop's pieces over its two queues, with a stand-in scheduler and no model:
+    `add_request` makes the core busy, `abort_requests` and utility calls are recorded."""
+
+    def __init__(self) -> None:  # no model, no sockets, no IO threads
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.scheduler = types.SimpleNamespace(has_unfinished_requests=lambda: bool(self.added))
+
+    def add_request(self, request) -> None:
+        self.added.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+    def double(self, x: int) -> int:
+        return 2 * x
+
+
+class LoopOnlyCore(QueueOnlyCore):
+    """Handles ADD and ABORT itself, so that the input loop's tests (ch09_t1) do not depend
+    on `_handle_client_request` (ch09_t2)."""
+
+    def _handle_client_request(self, request_type: EngineCoreRequestType, request) -> None:
+        if request_type == EngineCoreRequestType.ADD:
+            self.added.append(request)
+        else:
+            self.aborted += request
+
+
+def start_input_loop(core: QueueOnlyCore) -> tuple[threading.Thread, list[BaseException]]:
+    """`core._process_input_queue()` in a thread; what it raises lands in the list."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            core._process_input_queue()
+        except BaseException as error:  # noqa: BLE001  (re-raised in the test's own thread)
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def wait(thread: threading.Thread, errors: list[BaseException], seconds: float) -> None:
+    thread.join(timeout=seconds)
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.ch09_t1
+def test_idle_core_waits_for_a_request_without_spinning():
+    core = LoopOnlyCore()
+    calls = 0
+    has_unfinished = core.scheduler.has_unfinished_requests
+
+    def counting() -> bool:
+        nonlocal calls
+        calls += 1
+        return has_unfinished()
+
+    core.scheduler.has_unfinished_requests = counting
+    loop, errors = start_input_loop(core)
+    wait(loop, errors, 0.3)
+    assert loop.is_alive(), "an idle core must wait for a request, not return to step an empty batch"
+    assert calls <= 2, (
+        f"an idle core must block on the input queue, not spin: it asked {calls} times in 0.3 s"
+    )
+    core.input_queue.put((EngineCoreRequestType.ABORT, ["gone"]))
+    wait(loop, errors, 0.1)
+    assert loop.is_alive(), "an abort leaves an idle core idle: it must keep waiting"
+    core.input_queue.put((EngineCoreRequestType.ADD, "r0"))
+    wait(loop, errors, 5)
+    assert not loop.is_alive(), "a request arrived: the core must stop waiting and go on to step it"
+    assert (core.added, core.aborted) == (["r0"], ["gone"]), "both messages must be handled, in order"
+
+
+@pytest.mark.ch09_t1
+def test_busy_core_takes_every_queued_message_and_never_waits():
+    core = LoopOnlyCore()
+    core.added.append("running")
+    for i in range(3):
+        core.input_queue.put((EngineCoreRequestType.ADD, f"r{i}"))
+    loop, errors = start_input_loop(core)
+    wait(loop, errors, 5)
+    assert not loop.is_alive(), "a busy core must not wait for input: its requests need the next step"
+    assert core.added == ["running", "r0", "r1", "r2"], (
+        f"a busy core must take every message queued before its step, got {core.added[1:]}"
+    )
+    loop, errors = start_input_loop(core)
+    wait(loop, errors, 5)
+    assert not loop.is_alive(), "with nothing queued, a busy core must go straight on to its step"
+
+
+@pytest.mark.ch09_t2
+def test_client_requests_add_abort_and_call_utilities():
+    core = QueueOnlyCore()
+    core._handle_client_request(EngineCoreRequestType.ADD, "r0")
+    core._handle_client_request(EngineCoreRequestType.ABORT, ["r0", "r1"])
+    assert (core.added, core.aborted) == (["r0"], ["r0", "r1"]), (
+        f"ADD must add the request and ABORT abort the listed ids; added {core.added}, aborted {core.aborted}"
+    )
+    assert core.output_queue.empty(), "ADD and ABORT have no answer"
+    core._handle_client_request(EngineCoreRequestType.UTILITY, (7, "double", (21,)))
+    answer = core.output_queue.get_nowait()
+    assert answer == EngineCoreOutputs(utility_output=UtilityOutput(7, result=42)), (
+        f"a utility call (7, 'double', (21,)) must be answered with its call id and result 42, got {answer}"
+    )
+
+
+@pytest.mark.ch09_t2
+def test_a_failing_utility_call_is_answered_and_the_core_lives_on():
+    core = QueueOnlyCore()
+    for call_id, method, args in [(1, "double", ()), (2, "no_such_method", ())]:
+        core._handle_client_request(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        answer = core.output_queue.get_nowait().utility_output
+        assert (answer.call_id, answer.result) == (call_id, None), (
+            f"a failed call must still be answered, under its own call id {call_id}: got {answer}"
+        )
+        assert answer.failure_message and method in answer.failure_message, (
+            f"the answer to a failed call must say which call failed: {answer.failure_message!r}"
+        )
+    core._handle_client_request(EngineCoreRequestType.UTILITY, (3, "double", (1,)))
+    assert core.output_queue.get_nowait().utility_output == UtilityOutput(3, result=2), (
+        "after failed calls the core must go on answering"
+    )

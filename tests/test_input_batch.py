@@ -230,6 +230,27 @@ def naive_inputs(sched: FakeScheduler, so: SchedulerOutput, req_ids: list[str]) 
     return out
 
 
+# What each flat input holds, for the message when one differs from the naive rebuild.
+FLAT_INPUTS = {
+    "input_ids": "each token's id, from its request's row of the token table at its position",
+    "positions": "each token's position: its request's computed tokens plus its offset in this step's chunk",
+    "slot_mapping": "each token's KV cache slot, from its request's block table at its position",
+    "query_start_loc": "where each request's tokens start in the flat batch, then where the last one ends",
+    "seq_lens": "each request's context after the step: computed plus scheduled tokens",
+    "logits_indices": "where each request's last scheduled token sits in the flat batch",
+    "discard": "the rows whose chunk stops short of their known tokens",
+}
+
+
+def check_flat_input(name: str, got: list[int], want: list[int], so: SchedulerOutput) -> None:
+    """`got` is the naive rebuild `want`, else the message names the first wrong entry."""
+    first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+    assert got == want, (
+        f"{name} differs from a naive rebuild from entry {first} on: {got[first : first + 4]} instead of "
+        f"{want[first : first + 4]} ({name} is {FLAT_INPUTS[name]}; tokens scheduled: {so.num_scheduled_tokens})"
+    )
+
+
 def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: bool) -> None:
     """Every row of every column describes the request named by req_ids at that row.
 
@@ -282,13 +303,18 @@ def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed):
         common, logits_indices, discard = runner._prepare_inputs(so)
         want = naive_inputs(sched, so, batch.req_ids)
         t = so.total_num_scheduled_tokens
-        assert runner.input_ids.np[:t].tolist() == want["input_ids"]
-        assert runner.positions.np[:t].tolist() == want["positions"]
-        assert common.slot_mapping.tolist() == want["slot_mapping"]
-        assert common.query_start_loc.tolist() == want["query_start_loc"]
-        assert common.seq_lens.tolist() == want["seq_lens"]
-        assert logits_indices.tolist() == want["logits_indices"]
-        assert discard.tolist() == want["discard"]
+        got = {
+            "input_ids": runner.input_ids.np[:t].tolist(),
+            "positions": runner.positions.np[:t].tolist(),
+            "slot_mapping": common.slot_mapping.tolist(),
+            "query_start_loc": common.query_start_loc.tolist(),
+            "seq_lens": common.seq_lens.tolist(),
+            "logits_indices": logits_indices.tolist(),
+            "discard": discard.tolist(),
+        }
+        # Positions first: most other inputs are read at them.
+        for name in ("positions", *(name for name in FLAT_INPUTS if name != "positions")):
+            check_flat_input(name, got[name], want[name], so)
         assert common.num_actual_tokens == t and common.num_reqs == batch.num_reqs
         assert common.max_query_len == max(so.num_scheduled_tokens.values())
         assert common.max_seq_len == max(want["seq_lens"])
@@ -462,14 +488,19 @@ def test_execute_model_greedy_and_logprobs(vllm_config):
                     logits = model.compute_logits(model(torch.tensor([r.tokens[-1]]), torch.tensor([pos])))[0]
                 logprobs = logits.log_softmax(-1)
                 token = output.sampled_token_ids[i][0]
-                assert token == int(logits.argmax())
+                assert token == int(logits.argmax()), (
+                    f"greedy sampling after {len(r.tokens)} tokens gave {token}, not the model's argmax "
+                    f"{int(logits.argmax())} at position {pos}: the model ran on wrong positions or KV slots"
+                )
                 (entry,) = output.logprobs[i]
                 expected_ids = {token, *logprobs.topk(2).indices.tolist()}
-                assert set(entry) == expected_ids
+                assert set(entry) == expected_ids, "logprobs are of the sampled token and the top 2"
                 for t, lp in entry.items():
-                    assert lp == pytest.approx(float(logprobs[t]), abs=1e-5)
+                    assert lp == pytest.approx(float(logprobs[t]), abs=1e-5), f"token {t}'s logprob is wrong"
             else:
-                assert output.sampled_token_ids[i] == [] and output.logprobs[i] == []
+                assert output.sampled_token_ids[i] == [] and output.logprobs[i] == [], (
+                    "a prefill chunk short of the prompt samples nothing"
+                )
         sched.update_from_output(so, output)
 
 

@@ -54,14 +54,34 @@ def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
 
 def check_links(queue: FreeKVCacheBlockQueue, expected: list[int]) -> None:
     """Forward walk, backward walk and the counter all agree with the model."""
-    assert queue_ids(queue) == expected
+    forward = queue_ids(queue)
+    assert forward == expected, f"walking the queue from the head gives blocks {forward}, expected {expected}"
     backward = []
     block = queue.fake_free_list_tail.prev_free_block
     while block is not queue.fake_free_list_head:
+        assert block is not None and len(backward) < len(expected), (
+            f"walking back from the tail, the prev links after blocks {backward} do not lead to the head: "
+            "the block that becomes the front must point back at the head sentinel"
+        )
         backward.append(block.block_id)
         block = block.prev_free_block
-    assert backward == expected[::-1]
-    assert queue.num_free_blocks == len(expected)
+    assert backward == expected[::-1], (
+        f"walking back from the tail gives blocks {backward}, expected {expected[::-1]}: a prev link is wrong"
+    )
+    assert queue.num_free_blocks == len(expected), (
+        f"num_free_blocks is {queue.num_free_blocks} with {len(expected)} blocks in the queue"
+    )
+
+
+def check_membership(blocks: list[KVCacheBlock], queued: list[int]) -> None:
+    """A block has links exactly while it is in the queue."""
+    for block in blocks:
+        in_queue = block.block_id in queued
+        links = (block.prev_free_block is not None, block.next_free_block is not None)
+        assert links == (in_queue, in_queue), (
+            f"block {block.block_id} is {'' if in_queue else 'not '}in the queue, but its (prev, next) links are "
+            f"set: {links}; a block in the queue has both, a block taken off it neither"
+        )
 
 
 @pytest.mark.ch02_t1
@@ -83,7 +103,10 @@ def test_free_queue_matches_list_model(num_blocks, data):
                     queue.popleft()
         elif op == "popleft_n":
             n = data.draw(st.integers(0, len(model)))
-            assert [b.block_id for b in queue.popleft_n(n)] == model[:n]
+            popped = [b.block_id for b in queue.popleft_n(n)]
+            assert popped == model[:n], (
+                f"popleft_n({n}) returned blocks {popped}; the front {n} are {model[:n]}"
+            )
             del model[:n]
         elif op == "remove" and model:
             victim = data.draw(st.sampled_from(model))
@@ -99,9 +122,24 @@ def test_free_queue_matches_list_model(num_blocks, data):
             queue.append_n([blocks[i] for i in ids])
             model.extend(ids)
         check_links(queue, model)
-        for i in range(num_blocks):
-            in_queue = blocks[i].prev_free_block is not None
-            assert in_queue == (i in model), f"block {i} links disagree with membership"
+        check_membership(blocks, model)
+
+
+@pytest.mark.ch02_t1
+@pytest.mark.ch02
+def test_popleft_n_takes_the_front_and_leaves_a_valid_queue():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    popped = [b.block_id for b in queue.popleft_n(2)]
+    assert popped == [0, 1], f"popleft_n(2) on blocks [0, 1, 2, 3, 4] returned {popped}, not the front two"
+    check_links(queue, [2, 3, 4])
+    check_membership(blocks, [2, 3, 4])
+    assert queue.popleft_n(0) == [], "popleft_n(0) takes nothing"
+    check_links(queue, [2, 3, 4])
+    popped = [b.block_id for b in queue.popleft_n(3)]
+    assert popped == [2, 3, 4], f"popleft_n(3) on blocks [2, 3, 4] returned {popped}, not all three"
+    check_links(queue, [])
+    check_membership(blocks, [])
 
 
 # ----------------------------------------------------------------------------- ch02: pool basics
@@ -111,31 +149,67 @@ def test_free_queue_matches_list_model(num_blocks, data):
 @pytest.mark.ch02
 def test_null_block_is_never_handed_out():
     pool = BlockPool(num_gpu_blocks=5, enable_caching=False)
-    assert pool.null_block.block_id == 0 and pool.null_block.is_null
-    assert pool.get_num_free_blocks() == 4
-    blocks = pool.get_new_blocks(4)
-    assert sorted(b.block_id for b in blocks) == [1, 2, 3, 4]
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null, "block 0 is the null block"
+    assert pool.get_num_free_blocks() == 4, "of 5 blocks, all but the null block start free"
+    blocks = [b.block_id for b in pool.get_new_blocks(4)]
+    assert blocks == [1, 2, 3, 4], (
+        f"get_new_blocks(4) on a fresh pool handed out {blocks}, not blocks 1-4 in order"
+    )
+    assert pool.get_num_free_blocks() == 0, (
+        f"{pool.get_num_free_blocks()} blocks still count as free after all were taken"
+    )
     assert pool.get_usage() == 1.0
     with pytest.raises(ValueError):
         pool.get_new_blocks(1)
-    pool.free_blocks(blocks)
-    assert pool.get_usage() == 0.0 and queue_ids(pool.free_block_queue) == [1, 2, 3, 4]
+    pool.free_blocks(pool.blocks[1:])
+    assert queue_ids(pool.free_block_queue) == [1, 2, 3, 4], "freed blocks go back to the queue in order"
+    assert pool.get_usage() == 0.0
 
 
 @pytest.mark.ch02_t2
 @pytest.mark.ch02
-def test_allocate_slots_rounds_up_and_caps_at_max_model_len():
+@pytest.mark.parametrize(
+    "num_computed, num_new, num_lookahead, num_blocks, why",
+    [
+        pytest.param(
+            0, 5, 0, 2, "5 tokens in blocks of 4 take 2 blocks: a partly filled block is still a whole block",
+            id="round_up",
+        ),
+        pytest.param(0, 8, 0, 2, "8 tokens fill exactly 2 blocks of 4", id="exactly_full"),
+        pytest.param(
+            4, 5, 0, 3, "4 computed + 5 new tokens = 9 slots, 3 blocks: slots are for every token, not just the new ones",
+            id="computed_and_new",
+        ),
+        pytest.param(4, 1, 3, 2, "4 computed + 1 new + 3 lookahead = 8 slots fit in 2 blocks", id="lookahead_fits"),
+        pytest.param(
+            4, 1, 4, 3, "4 computed + 1 new + 4 lookahead = 9 slots: the lookahead (draft) slots need a 3rd block",
+            id="lookahead_needs_a_block",
+        ),
+        pytest.param(
+            4, 1, 8, 3,
+            "4 + 1 + 8 lookahead = 13 slots, but no position at or past max_model_len = 10 needs one: 3 blocks",
+            id="max_model_len",
+        ),
+    ],
+)  # fmt: skip
+def test_allocate_slots_counts_the_blocks_a_request_needs(
+    num_computed, num_new, num_lookahead, num_blocks, why
+):
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=20, max_model_len=10, enable_caching=False)
-    request = make_request("r", list(range(5)))
-    new_blocks = manager.allocate_slots(request, 5)
-    assert len(new_blocks) == 2  # ceil(5 / 4)
-    request.num_computed_tokens = 5
-    # 5 + 1 + 7 lookahead = 13 slots (4 blocks), but no position past max_model_len = 10
-    # exists: 3 blocks.
-    assert len(manager.allocate_slots(request, 1, num_lookahead_tokens=7)) == 1
-    assert len(manager.get_block_ids("r")) == 3
+    request = make_request("r", list(range(9)))
+    if num_computed:
+        manager.allocate_slots(request, num_computed)
+        request.num_computed_tokens = num_computed
+    manager.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead)
+    held = len(manager.get_block_ids("r"))
+    assert held == num_blocks, f"{why}; the request holds {held}"
+
+
+@pytest.mark.ch02
+def test_allocate_slots_refuses_zero_tokens():
+    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=20, max_model_len=10, enable_caching=False)
     with pytest.raises(ValueError):
-        manager.allocate_slots(request, 0)
+        manager.allocate_slots(make_request("r", list(range(5))), 0)
 
 
 @pytest.mark.ch02_t2
@@ -143,13 +217,15 @@ def test_allocate_slots_rounds_up_and_caps_at_max_model_len():
 def test_allocate_slots_is_all_or_nothing():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=4, max_model_len=100, enable_caching=False)
     big = make_request("big", list(range(8)))
-    assert manager.allocate_slots(big, 8) is not None  # 2 of the 3 usable blocks
+    assert manager.allocate_slots(big, 8) is not None, "8 tokens need 2 of the 3 free blocks"
     greedy = make_request("greedy", list(range(8)))
-    assert manager.allocate_slots(greedy, 8) is None  # needs 2, 1 is free
-    assert manager.get_block_ids("greedy") == [] and "greedy" not in manager.req_to_blocks
-    assert manager.block_pool.get_num_free_blocks() == 1
+    assert manager.allocate_slots(greedy, 8) is None, "8 tokens need 2 blocks and only 1 is free: None"
+    assert manager.get_block_ids("greedy") == [] and "greedy" not in manager.req_to_blocks, (
+        "a refused request must hold nothing"
+    )
+    assert manager.block_pool.get_num_free_blocks() == 1, "a refused request must take no block"
     manager.free(big)
-    assert manager.allocate_slots(greedy, 8) is not None
+    assert manager.allocate_slots(greedy, 8) is not None, "with 3 blocks free, 8 tokens fit"
 
 
 # ----------------------------------------------------------------------------- the reference model
@@ -231,8 +307,14 @@ def snapshot(manager: KVCacheManager):
 
 def check_invariants(manager: KVCacheManager, model: ReferenceCache, live: dict[str, Request]) -> None:
     pool = manager.block_pool
-    assert queue_ids(pool.free_block_queue) == model.free_order
-    assert {rid: manager.get_block_ids(rid) for rid in live} == model.req_blocks
+    free_queue = queue_ids(pool.free_block_queue)
+    assert free_queue == model.free_order, (
+        f"the free queue is {free_queue}; the reference model's is {model.free_order}"
+    )
+    block_tables = {rid: manager.get_block_ids(rid) for rid in live}
+    assert block_tables == model.req_blocks, (
+        f"the block tables are {block_tables}; the reference model's are {model.req_blocks}"
+    )
     holders: dict[int, list[tuple[str, int]]] = {}
     for rid, ids in model.req_blocks.items():
         for pos, b in enumerate(ids):
@@ -242,22 +324,40 @@ def check_invariants(manager: KVCacheManager, model: ReferenceCache, live: dict[
         assert block.ref_cnt == len(owners), (
             f"block {block.block_id}: ref_cnt {block.ref_cnt}, owners {owners}"
         )
-        assert (block.ref_cnt == 0) == (block.prev_free_block is not None), "free queue != blocks with ref 0"
+        assert (block.ref_cnt == 0) == (block.prev_free_block is not None), (
+            f"block {block.block_id} has ref_cnt {block.ref_cnt} and is "
+            f"{'' if block.prev_free_block is not None else 'not '}linked into the free queue: "
+            "a block is in the free queue exactly when nobody holds it"
+        )
         if len(owners) > 1:
             # Sharing is only legal for a cached full block at the same position of
             # requests that agree on every token up to its end.
-            assert block.block_hash is not None
             prefixes = {tuple(live[rid].all_token_ids[: (pos + 1) * BLOCK_SIZE]) for rid, pos in owners}
-            assert len(prefixes) == 1 and len({pos for _, pos in owners}) == 1
-        assert (block.block_hash is not None) == (model.content[block.block_id] is not None)
+            shareable = (
+                block.block_hash is not None and len(prefixes) == 1 and len({p for _, p in owners}) == 1
+            )
+            assert shareable, (
+                f"block {block.block_id} is shared by {owners}, but only a cached full block of one prefix may be"
+            )
+        cached = model.content[block.block_id]
+        assert (block.block_hash is not None) == (cached is not None), (
+            f"block {block.block_id} {'has' if block.block_hash is not None else 'lacks'} a hash; the reference "
+            f"model says it {'caches the prefix ' + str(cached) if cached is not None else 'caches nothing'}"
+        )
         if block.block_hash is not None:
-            assert block.block_hash == expected_hash(model.content[block.block_id])
-            assert pool.cached_block_hash_to_block[block.block_hash][block.block_id] is block
-    assert sum(len(d) for d in pool.cached_block_hash_to_block.values()) == sum(
-        c is not None for c in model.content
-    )
+            assert block.block_hash == expected_hash(cached), (
+                f"block {block.block_id}'s hash is not the chain hash of the prefix it caches, {cached}"
+            )
+            assert pool.cached_block_hash_to_block[block.block_hash][block.block_id] is block, (
+                f"block {block.block_id} has a hash but is not in the cache index under it"
+            )
+    num_indexed = sum(len(d) for d in pool.cached_block_hash_to_block.values())
+    num_cached = sum(c is not None for c in model.content)
+    assert num_indexed == num_cached, f"the cache index holds {num_indexed} blocks; {num_cached} are cached"
     num_used = sum(r > 0 for r in model.ref[1:])
-    assert manager.usage == pytest.approx(num_used / (len(pool.blocks) - 1))
+    assert manager.usage == pytest.approx(num_used / (len(pool.blocks) - 1)), (
+        "usage is the fraction of blocks held"
+    )
 
 
 @functools.cache
@@ -290,10 +390,16 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
             next_id += 1
             hits, num_hit_tokens = manager.get_computed_blocks(request)
             num_hit_blocks = model.longest_hit(request.all_token_ids)
-            assert num_hit_tokens == num_hit_blocks * BLOCK_SIZE == len(hits) * BLOCK_SIZE
-            assert num_hit_tokens < request.num_tokens  # the last token is always recomputed
+            assert num_hit_tokens == num_hit_blocks * BLOCK_SIZE == len(hits) * BLOCK_SIZE, (
+                f"a prompt of {request.num_tokens} tokens hit {len(hits)} blocks and {num_hit_tokens} tokens; its "
+                f"longest cached prefix that leaves the last token to compute is {num_hit_blocks} blocks of {BLOCK_SIZE}"
+            )
+            assert num_hit_tokens < request.num_tokens, "the last prompt token must be computed, never hit"
             for i, block in enumerate(hits):
-                assert model.content[block.block_id] == tuple(request.all_token_ids[: (i + 1) * BLOCK_SIZE])
+                prefix = tuple(request.all_token_ids[: (i + 1) * BLOCK_SIZE])
+                assert model.content[block.block_id] == prefix, (
+                    f"hit {i} is block {block.block_id}, which caches other tokens than the prompt's block {i}"
+                )
             remaining = request.num_tokens - num_hit_tokens
             num_new = data.draw(st.integers(1, remaining))  # a chunked prefill
             num_lookahead = data.draw(st.integers(0, 2))
@@ -309,9 +415,9 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 max_model_len,
             )
             if expected is None:
-                assert fresh is None and snapshot(manager) == before
+                check_refused(manager, fresh, before)
                 continue
-            assert [b.block_id for b in fresh] == expected
+            check_fresh(fresh, expected)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens + num_new
             live[request.request_id] = request
@@ -335,20 +441,22 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 max_model_len,
             )
             if expected is None:
-                assert fresh is None and snapshot(manager) == before
+                check_refused(manager, fresh, before)
                 # What the scheduler does next: preempt (free) the request.
                 manager.free(request)
                 model.free(request.request_id)
                 del live[request.request_id]
             else:
-                assert [b.block_id for b in fresh] == expected
+                check_fresh(fresh, expected)
                 request.num_computed_tokens += num_new
         elif op == "free" and live:
             request = live.pop(data.draw(st.sampled_from(sorted(live))))
             manager.free(request)
             model.free(request.request_id)
         elif op == "reset":
-            assert manager.reset_prefix_cache() == (not live)
+            assert manager.reset_prefix_cache() == (not live), (
+                "reset_prefix_cache works exactly when no block is held"
+            )
             if not live:
                 model.content = [None] * num_gpu_blocks
         elif op == "common" and live:
@@ -359,15 +467,38 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 model.req_blocks[request.request_id][expected_common] in held_by_all
             ):
                 expected_common += 1  # without caching nothing is shared by design: 0 (vLLM v0.11.0)
-            assert manager.get_num_common_prefix_blocks(request, len(live)) == expected_common
+            common = manager.get_num_common_prefix_blocks(request, len(live))
+            assert common == expected_common, (
+                f"{common} common prefix blocks; every request holds {expected_common}"
+            )
         check_invariants(manager, model, live)
 
     for request in live.values():
         manager.free(request)
     pool = manager.block_pool
-    assert pool.get_num_free_blocks() == num_gpu_blocks - 1
-    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not manager.req_to_blocks
-    assert manager.reset_prefix_cache() and not pool.cached_block_hash_to_block
+    assert pool.get_num_free_blocks() == num_gpu_blocks - 1, "with every request freed, every block is free"
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not manager.req_to_blocks, (
+        "freed requests hold nothing"
+    )
+    assert manager.reset_prefix_cache() and not pool.cached_block_hash_to_block, (
+        "an idle cache resets to empty"
+    )
+
+
+def check_fresh(fresh: list[KVCacheBlock] | None, expected: list[int]) -> None:
+    handed_out = None if fresh is None else [b.block_id for b in fresh]
+    assert handed_out == expected, (
+        f"allocate_slots handed out {handed_out}; the reference model, counting the blocks the request needs "
+        f"beyond those it holds, hands out {expected} from the front of the free queue"
+    )
+
+
+def check_refused(manager: KVCacheManager, fresh: list[KVCacheBlock] | None, before) -> None:
+    assert fresh is None, (
+        f"allocate_slots handed out {[b.block_id for b in fresh]}, but the free blocks cannot cover what the "
+        "request needs (the reference model refuses): it must return None"
+    )
+    assert snapshot(manager) == before, "a refused allocate_slots must change nothing"
 
 
 @pytest.mark.ch02_t2
@@ -390,17 +521,50 @@ def test_prefix_cache_against_reference(data, num_gpu_blocks):
 
 @pytest.mark.ch03_t1
 @pytest.mark.ch03
-def test_block_hashes_are_chained_and_only_for_full_blocks():
+def test_only_full_blocks_get_hashes():
     request = make_request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert len(request.block_hashes) == 2  # the 9th token's block is not full
-    assert request.block_hashes[0] == hash_block_tokens(None, [1, 2, 3, 4])
-    assert request.block_hashes[1] == hash_block_tokens(request.block_hashes[0], [5, 6, 7, 8])
-    # Same tokens, different history: a different hash.
-    assert request.block_hashes[1] != hash_block_tokens(None, [5, 6, 7, 8])
+    num_hashes = len(request.block_hashes)
+    assert num_hashes == 2, (
+        f"9 tokens fill 2 blocks of 4 and start a third, which gets no hash yet; got {num_hashes} hashes"
+    )
+    for token in [10, 11]:
+        request.append_output_token_ids(token)
+    num_hashes = len(request.block_hashes)
+    assert num_hashes == 2, f"block 2 holds 3 of its 4 tokens: still 2 hashes, got {num_hashes}"
+    request.append_output_token_ids(12)
+    num_hashes = len(request.block_hashes)
+    assert num_hashes == 3, (
+        f"the 12th token fills block 2, which gets its hash now: 3 hashes, got {num_hashes}"
+    )
+    num_hashes = len(make_request("s", list(range(8))).block_hashes)
+    assert num_hashes == 2, f"8 tokens fill exactly 2 blocks of 4: 2 hashes, got {num_hashes}"
+
+
+@pytest.mark.ch03_t1
+@pytest.mark.ch03
+def test_block_hashes_chain_from_the_previous_block():
+    request = make_request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert request.block_hashes[0] == hash_block_tokens(None, [1, 2, 3, 4]), (
+        "block 0 has no parent: its hash is hash_block_tokens(None, its tokens)"
+    )
+    assert request.block_hashes[1] == hash_block_tokens(request.block_hashes[0], [5, 6, 7, 8]), (
+        "block 1's hash must chain block 0's hash: hash_block_tokens(block_hashes[0], block 1's tokens)"
+    )
     for token in [10, 11, 12]:
         request.append_output_token_ids(token)
-    assert len(request.block_hashes) == 3
-    assert request.block_hashes[2] == hash_block_tokens(request.block_hashes[1], [9, 10, 11, 12])
+    assert len(request.block_hashes) == 3, (
+        f"12 tokens fill 3 blocks of 4, but {len(request.block_hashes)} have hashes"
+    )
+    assert request.block_hashes[2] == hash_block_tokens(request.block_hashes[1], [9, 10, 11, 12]), (
+        "block 2, filled by output tokens, must chain the hash the request already had for block 1"
+    )
+
+
+@pytest.mark.ch03
+def test_block_hash_names_its_history_and_extra_keys():
+    assert hash_block_tokens(None, [5, 6, 7, 8]) != hash_block_tokens(
+        hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8]
+    )
     assert hash_block_tokens(None, [1, 2, 3, 4], ("lora", 1)) != hash_block_tokens(None, [1, 2, 3, 4])
 
 
@@ -409,16 +573,37 @@ def test_block_hashes_are_chained_and_only_for_full_blocks():
 def test_fully_cached_prompt_recomputes_its_last_block():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
     first = make_request("a", list(range(8)))
-    assert manager.get_computed_blocks(first) == ([], 0)
+    assert manager.get_computed_blocks(first) == ([], 0), "an empty cache has no hits"
     manager.allocate_slots(first, 8)
     manager.free(first)
-    again = make_request("b", list(range(8)))
-    hits, num_hit_tokens = manager.get_computed_blocks(again)
-    assert num_hit_tokens == 4 and [b.block_id for b in hits] == [1]
-    longer = make_request("c", list(range(9)))
-    assert manager.get_computed_blocks(longer)[1] == 8
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(8))))
+    assert num_hit_tokens == 4 and [b.block_id for b in hits] == [1], (
+        f"the same 8-token prompt again hit {num_hit_tokens} tokens in blocks {[b.block_id for b in hits]}; it must "
+        "hit only block 1 (4 tokens): the last token is always computed, so its whole block is"
+    )
+    num_hit_tokens = manager.get_computed_blocks(make_request("c", list(range(9))))[1]
+    assert num_hit_tokens == 8, (
+        f"a 9-token prompt starting with the cached 8 hit {num_hit_tokens} tokens; both cached blocks (8 tokens) "
+        "hit, as the 9th token is left to compute"
+    )
     # Lookups change nothing, statistics included: the scheduler counts admissions.
-    assert manager.make_prefix_cache_stats() == PrefixCacheStats()
+    assert manager.make_prefix_cache_stats() == PrefixCacheStats(), "a lookup must not count statistics"
+
+
+@pytest.mark.ch03_t2
+@pytest.mark.ch03
+def test_the_first_miss_ends_the_hit():
+    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
+    a = make_request("a", list(range(13)))  # 3 full blocks, then 1 token
+    manager.allocate_slots(a, 13)
+    manager.free(a)
+    cached, _ = manager.get_computed_blocks(make_request("b", list(range(13))))
+    manager.block_pool._maybe_evict_cached_block(cached[1])  # the prompt's block 1 is gone; 0 and 2 stay
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("c", list(range(13))))
+    assert num_hit_tokens == 4 and hits == cached[:1], (
+        f"with the prompt's block 1 evicted, the lookup hit {num_hit_tokens} tokens in blocks "
+        f"{[b.block_id for b in hits]}; a hit is a prefix, so it ends at the first miss: block 0 only"
+    )
 
 
 @pytest.mark.ch03_t2
@@ -433,10 +618,14 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
     manager.free(a)
     b = make_request("b", list(range(16)))
     hits, num_hit_tokens = manager.get_computed_blocks(b)
-    assert num_hit_tokens == 12 and all(block.ref_cnt == 0 for block in hits)
+    assert num_hit_tokens == 12 and all(block.ref_cnt == 0 for block in hits), (
+        f"a 16-token prompt whose first 12 tokens are cached in 3 free blocks hit {num_hit_tokens} tokens, not 12"
+    )
     before = snapshot(manager)
-    assert manager.allocate_slots(b, 4, num_hit_tokens, hits) is None
-    assert snapshot(manager) == before
+    assert manager.allocate_slots(b, 4, num_hit_tokens, hits) is None, (
+        "the 3 hits are free blocks and a 4th is needed: the pool of 3 cannot cover it"
+    )
+    assert snapshot(manager) == before, "a refused allocate_slots must change nothing"
 
 
 @pytest.mark.ch03_t2
@@ -451,17 +640,25 @@ def test_eviction_is_lru_and_tail_first():
     manager.free(a)  # a first: its blocks are older
     manager.free(b)
     # Reverse order within a request: tail first.
-    assert queue_ids(pool.free_block_queue) == [3, 2, 1, 6, 5, 4]
+    assert queue_ids(pool.free_block_queue) == [3, 2, 1, 6, 5, 4], (
+        "freed requests queue their blocks tail first"
+    )
     filler = make_request("f", [3] * 5)
     manager.allocate_slots(filler, 5)  # takes blocks 3 and 2: a's partial and a's tail
-    assert manager.get_block_ids("f") == [3, 2]
-    assert manager.get_computed_blocks(make_request("a2", [1] * 8 + [0]))[1] == 4  # head survives
-    assert manager.get_computed_blocks(make_request("b2", [2] * 8 + [0]))[1] == 8  # b untouched
+    assert manager.get_block_ids("f") == [3, 2], "new blocks come from the front of the free queue"
+    num_hit_tokens = manager.get_computed_blocks(make_request("a2", [1] * 8 + [0]))[1]
+    assert num_hit_tokens == 4, (
+        f"a's block 2 was evicted, its block 1 was not: 4 tokens hit, not {num_hit_tokens}"
+    )
+    num_hit_tokens = manager.get_computed_blocks(make_request("b2", [2] * 8 + [0]))[1]
+    assert num_hit_tokens == 8, f"b's blocks were not evicted: 8 tokens hit, not {num_hit_tokens}"
     # A hit rescues a free block from eviction: touch moves it out of the queue.
     b3 = make_request("b3", [2] * 8 + [5])
     hits, num_hit_tokens = manager.get_computed_blocks(b3)
     manager.allocate_slots(b3, 1, num_hit_tokens, hits)
-    assert [blk.block_id for blk in hits] == [4, 5] and 4 not in queue_ids(pool.free_block_queue)
+    assert [blk.block_id for blk in hits] == [4, 5] and 4 not in queue_ids(pool.free_block_queue), (
+        "a hit on free blocks 4 and 5 takes them out of the free queue"
+    )
 
 
 @pytest.mark.ch03
@@ -481,9 +678,12 @@ def test_lookahead_slots_are_not_cached():
     manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
     a = make_request("a", list(range(6)))
     manager.allocate_slots(a, 6, num_lookahead_tokens=6)  # 12 slots -> 3 blocks
-    assert len(manager.get_block_ids("a")) == 3
-    assert manager.num_cached_block["a"] == 1  # only tokens 0..3 form a full, final block
-    assert [b.block_hash is not None for b in manager.req_to_blocks["a"]] == [True, False, False]
+    assert len(manager.get_block_ids("a")) == 3, "6 tokens and 6 lookahead slots take 3 blocks"
+    hashed = [b.block_hash is not None for b in manager.req_to_blocks["a"]]
+    assert manager.num_cached_block["a"] == 1 and hashed == [True, False, False], (
+        f"of 6 tokens and 6 lookahead slots only tokens 0-3 fill a block of final tokens: block 0 alone is "
+        f"cached, but the blocks with hashes are {hashed}"
+    )
 
 
 @pytest.mark.ch03

@@ -77,7 +77,9 @@ class FakeModelRunner:
             else:
                 self.block_ids[rid].extend(new_blocks)
                 # Progress must match what the runner itself has computed so far.
-                assert computed == self.num_computed[rid], (rid, computed, self.num_computed[rid])
+                assert computed == self.num_computed[rid], (
+                    f"{rid}: the scheduler says {computed} tokens are computed; the runner computed {self.num_computed[rid]}"
+                )
             self.num_computed[rid] = computed
 
         req_ids = list(so.num_scheduled_tokens)
@@ -87,12 +89,20 @@ class FakeModelRunner:
             tokens = self.tokens[rid]
             drafts = so.scheduled_spec_decode_tokens.get(rid, [])
             context = tokens + drafts
-            assert n >= 1 and start + n <= len(context), (rid, start, n, len(tokens), drafts)
-            assert not drafts or start + n == len(context), "drafts are scheduled whole, after every known token"
+            assert n >= 1 and start + n <= len(context), (
+                f"{rid}: {n} tokens scheduled from position {start}, but it has only {len(tokens)} tokens "
+                f"and {len(drafts)} drafts"
+            )
+            assert not drafts or start + n == len(context), (
+                f"{rid}: {n} tokens scheduled from position {start} with {len(drafts)} drafts: drafts are "
+                "scheduled whole, after every known token"
+            )
             # A prefix-cache hit must have handed us blocks that already hold our tokens, and
             # a rejected draft's slot must have been rewritten before it counts as computed.
             for pos in range(start):
-                assert self.kv.get(self.slot(rid, pos)) == tokens[pos], f"{rid}: stale KV at position {pos}"
+                assert self.kv.get(self.slot(rid, pos)) == tokens[pos], (
+                    f"{rid}: the KV at position {pos} is not its token's, yet the scheduler counts it computed"
+                )
             for pos in range(start, start + n):
                 self.kv[self.slot(rid, pos)] = context[pos]
             if start + n < len(tokens):
@@ -134,11 +144,15 @@ def check_kv_invariants(sched: Scheduler) -> None:
     holders: dict[int, int] = {}
     for req in sched.running:
         blocks = manager.req_to_blocks[req.request_id]
-        assert len(blocks) * sched.block_size >= req.num_computed_tokens
+        assert len(blocks) * sched.block_size >= req.num_computed_tokens, (
+            f"{req.request_id} has {req.num_computed_tokens} computed tokens but only {len(blocks)} blocks"
+        )
         for b in blocks:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
     for block in manager.block_pool.blocks[1:]:
-        assert block.ref_cnt == holders.get(block.block_id, 0), block
+        assert block.ref_cnt == holders.get(block.block_id, 0), (
+            f"block {block.block_id} has ref_cnt {block.ref_cnt} but {holders.get(block.block_id, 0)} running holders"
+        )
         if block.ref_cnt > 1:
             assert block.block_hash is not None, "only cached full blocks may be shared"
 
@@ -151,7 +165,7 @@ def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Rand
     steps = 0
     while pending or sched.has_unfinished_requests():
         steps += 1
-        assert steps < max_steps, "the scheduler stopped making progress"
+        assert steps < max_steps, f"the scheduler stopped making progress ({max_steps} steps)"
         for _ in range(rng.randint(0, 3)):
             if pending:
                 sched.add_request(pending.pop(0))
@@ -162,10 +176,14 @@ def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Rand
         if not sched.has_unfinished_requests():
             continue
         so = sched.schedule()
-        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-        assert so.total_num_scheduled_tokens <= sched.max_num_scheduled_tokens
-        assert len(so.num_scheduled_tokens) <= sched.max_num_running_reqs
-        assert len(sched.running) <= sched.max_num_running_reqs
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()), "the total is the sum"
+        assert so.total_num_scheduled_tokens <= sched.max_num_scheduled_tokens, (
+            f"{so.total_num_scheduled_tokens} tokens scheduled, over the budget of {sched.max_num_scheduled_tokens}"
+        )
+        assert len(so.num_scheduled_tokens) <= sched.max_num_running_reqs, (
+            "more requests scheduled than max_num_seqs"
+        )
+        assert len(sched.running) <= sched.max_num_running_reqs, "more requests running than max_num_seqs"
         check_kv_invariants(sched)
         for out in sched.update_from_output(so, runner.execute_model(so)).outputs:
             outputs[out.request_id].extend(out.new_token_ids)
@@ -175,7 +193,7 @@ def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Rand
         check_kv_invariants(sched)
     # Every block is back in the free queue once nothing is running.
     pool = sched.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == len(pool.blocks) - 1
+    assert pool.get_num_free_blocks() == len(pool.blocks) - 1, "with every request done, every block is free"
     return outputs, aborted
 
 
@@ -224,8 +242,12 @@ def test_scheduler_invariants_and_outputs(
     for r in requests:
         if r.request_id in aborted:
             continue
-        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
-        assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens)
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+            f"{r.request_id} ended {r.status.name}, not at max_tokens"
+        )
+        assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens), (
+            f"{r.request_id}'s outputs differ from the model's own continuation of its prompt"
+        )
 
 
 @pytest.mark.ch04_t2
@@ -235,12 +257,14 @@ def test_chunked_prefill_splits_long_prompt_under_budget():
     req = Request("a", list(range(1, 26)), SamplingParams(max_tokens=2, ignore_eos=True), None)
     sched.add_request(req)
     chunks = []
-    while sched.has_unfinished_requests():
+    while sched.has_unfinished_requests() and len(chunks) < 10:
         so = sched.schedule()
-        chunks.append(so.num_scheduled_tokens["a"])
+        chunks.append(so.num_scheduled_tokens.get("a", 0))
         sched.update_from_output(so, runner.execute_model(so))
-    # 25 prompt tokens in chunks of <= 10, then one decode step.
-    assert chunks == [10, 10, 5, 1]
+    assert chunks == [10, 10, 5, 1], (
+        f"a 25-token prompt under a budget of 10 was scheduled in steps of {chunks}; expected chunks of "
+        "10, 10 and 5, then one decode"
+    )
 
 
 @pytest.mark.ch04_t2
@@ -253,8 +277,10 @@ def test_decodes_and_prefill_share_one_step():
     sched.update_from_output(so, runner.execute_model(so))
     sched.add_request(Request("c", list(range(1, 21)), SamplingParams(max_tokens=5, ignore_eos=True), None))
     so = sched.schedule()
-    # Running requests decode (1 token each); the newcomer gets the rest of the budget.
-    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 6}
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 6}, (
+        f"two decodes and a new 20-token prompt under a budget of 8 scheduled {so.num_scheduled_tokens}; the "
+        "decodes take 1 token each and the prompt the 6 left"
+    )
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():

@@ -1,6 +1,6 @@
 """Assignment mode: task regions in the reference code, student copies, and grading.
 
-Course machinery (chapters 02-05); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-11); vLLM has no counterpart.
 
 Why it exists: the best way to learn an engine is to rebuild its key pieces and have the
 real test suite judge them. The reference code marks each piece a student writes with a
@@ -15,6 +15,10 @@ tasks with `raise NotImplementedError("ch04_t2: <hint>")`, keeping both marker l
 that the copy can be listed, graded and stubbed again. Tests that exercise a task carry
 its marker (`@pytest.mark.ch04_t2`) next to the chapter marker, and `grade` runs
 `pytest -m ch04` with a small plugin that scores each task (see `__main__`).
+
+A `Mutant` is a planted bug in one task's region (the catalog is
+tests/assignment_mutants.py): `mutate_source` applies it to the reference text, and the
+integrity check (tests/test_assignments.py) proves that the task's tests catch it.
 """
 
 from __future__ import annotations
@@ -179,6 +183,50 @@ def stub_source(text: str, tasks: list[Task]) -> str:
     return "".join(lines)
 
 
+@dataclass(slots=True, frozen=True)
+class Mutant:
+    """A planted bug in one task: the mistake `description` names, as a textual edit.
+
+    `old` must occur exactly once in the body of the task's region (between its BEGIN
+    and END lines) and becomes `new`; write both with the file's own indentation.
+    """
+
+    name: str
+    description: str
+    old: str
+    new: str
+
+
+def mutate_source(text: str, task: Task, mutant: Mutant) -> str:
+    """`text` (the file holding `task`) with `mutant` applied inside the task's region.
+
+    Raises ValueError, naming the mutant, unless `old` occurs exactly once there: a
+    mutant whose snippet the reference no longer holds must fail loudly, not go untested.
+    """
+    lines = text.splitlines(keepends=True)
+    body = "".join(lines[task.begin_line : task.end_line - 1])
+    count = body.count(mutant.old)
+    if count != 1:
+        raise ValueError(
+            f"mutant {task.task_id}/{mutant.name}: its old snippet {mutant.old!r} occurs {count} times "
+            f"in the region at {task.path}:{task.begin_line}, not once; update the mutant"
+        )
+    lines[task.begin_line : task.end_line - 1] = [body.replace(mutant.old, mutant.new)]
+    return "".join(lines)
+
+
+def copy_repository(root: Path, out: Path) -> None:
+    """Copy what a student copy holds (COPIED_PATHS) from `root` into the new directory `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in COPIED_PATHS:
+        source = root / name
+        if source.is_dir():
+            shutil.copytree(source, out / name, ignore=_IGNORED)
+        elif source.is_file():
+            shutil.copy2(source, out / name)
+    _make_pytest_import_the_copy(out / "pyproject.toml")
+
+
 def make_student_copy(selectors: list[str], out: Path, root: Path = REPO_ROOT) -> list[Task]:
     """Copy the repository at `root` to `out` with the selected tasks stubbed; return them.
 
@@ -192,14 +240,7 @@ def make_student_copy(selectors: list[str], out: Path, root: Path = REPO_ROOT) -
         raise ValueError(f"--out {out} is inside the repository {root}; choose a directory outside it")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in COPIED_PATHS:
-        source = root / name
-        if source.is_dir():
-            shutil.copytree(source, out / name, ignore=_IGNORED)
-        elif source.is_file():
-            shutil.copy2(source, out / name)
-    _make_pytest_import_the_copy(out / "pyproject.toml")
+    copy_repository(root, out)
     for path in sorted({t.path for t in tasks}):
         target = out / path
         target.write_text(

@@ -1,10 +1,14 @@
 """Command line of assignment mode: list tasks, make a student copy, grade it.
 
-Course machinery (chapters 02-05); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-11); vLLM has no counterpart.
 
     python -m nano_v1.assignments list
     python -m nano_v1.assignments make ch04 [ch05_t1 ...] --out ../nano_v1-ch04
     cd ../nano_v1-ch04 && python -m nano_v1.assignments grade [--json score.json] [-- -x]
+
+`grade` prints a table (tests passed, partial-credit points, status per task) and then,
+for each task not done, its hint while it is still a stub, else each failing test with the
+one line its assertion gives; `--json` writes the same scores (see `grading`).
 
 Why it exists: one entry point per step of the student's loop; `grade` always tests the
 tree this module was imported from, so it refuses to run from anywhere but that tree's
@@ -87,7 +91,7 @@ def _grade(tasks, selectors: list[str], json_path: Path | None, pytest_args: lis
     print(format_table(task_scores, others))
     if json_path is not None:
         json_path.write_text(json.dumps(to_json(task_scores, others, report), indent=2) + "\n")
-    return 0 if all(s.points for s in task_scores) else 1
+    return 0 if all(s.all_passed for s in task_scores) else 1
 
 
 if __name__ == "__main__":

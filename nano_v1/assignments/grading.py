@@ -1,11 +1,13 @@
 """Grade a student copy: run the chapters' tests and score each task.
 
-Course machinery (chapters 02-05); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-11); vLLM has no counterpart.
 
-Why it exists: `pytest -m ch04` says which tests fail, not which task is done. A task
-earns its point when every test carrying its marker ran and passed; a partly working
-task earns nothing, because its tests are one specification. The chapter's other tests
-are reported beside the tasks (a broken neighbour shows up there) but carry no points.
+Why it exists: `pytest -m ch04` says which tests fail, not which task is done or what is
+wrong with it. A task with n tests earns passed/n points, and `all_passed` says when it
+is done. Each failing test is reported by the one line its assertion message gives
+("block 1's hash must chain block 0's"), and a task still raising its stub's
+NotImplementedError is reported once, with its hint. The chapter's other tests are
+reported beside the tasks (a broken neighbour shows up there) but carry no points.
 """
 
 from __future__ import annotations
@@ -22,18 +24,36 @@ from nano_v1.assignments import Task
 
 
 @dataclass(slots=True)
+class Failure:
+    """One test of a task that did not pass, and the one line saying why."""
+
+    test: str
+    message: str
+
+
+@dataclass(slots=True)
 class TaskScore:
     task_id: str
     hint: str
     path: str
     passed: int = 0
     total: int = 0
-    # "nodeid: message" of each test that did not pass.
-    failures: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
 
     @property
-    def points(self) -> int:
-        return int(self.total > 0 and self.passed == self.total)
+    def points(self) -> float:
+        """Partial credit: the fraction of the task's tests that passed."""
+        return self.passed / self.total if self.total else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+    @property
+    def is_stub(self) -> bool:
+        """True while a test still hits this task's own NotImplementedError."""
+        stub = f"NotImplementedError: {self.task_id}:"
+        return any(failure.message.startswith(stub) for failure in self.failures)
 
 
 def marker_expression(tasks: list[Task]) -> str:
@@ -79,7 +99,7 @@ def score(tasks: list[Task], report: dict) -> tuple[list[TaskScore], dict[str, t
             task_score.total += 1
             task_score.passed += passed
             if not passed:
-                task_score.failures.append(f"{nodeid}: {test['message'] or test['outcome']}")
+                task_score.failures.append(Failure(nodeid, test["message"] or test["outcome"]))
         if not task_ids:
             for chapter in chapters.intersection(test["markers"]):
                 others[chapter][0] += passed
@@ -87,31 +107,55 @@ def score(tasks: list[Task], report: dict) -> tuple[list[TaskScore], dict[str, t
     return list(scores.values()), {chapter: (p, t) for chapter, (p, t) in others.items()}
 
 
+def _status(task_score: TaskScore) -> str:
+    if task_score.all_passed:
+        return "done"
+    if task_score.is_stub:
+        return "to do"
+    return f"{len(task_score.failures)} failing" if task_score.total else "no tests ran"
+
+
 def format_table(task_scores: list[TaskScore], others: dict[str, tuple[int, int]]) -> str:
-    rows = [("task", "tests passed", "points", "hint")]
-    rows += [(s.task_id, f"{s.passed}/{s.total}", f"{s.points}/1", s.hint) for s in task_scores]
+    """The score table, then what is wrong with each task that is not done."""
+    rows = [("task", "tests passed", "points", "status", "hint")]
+    rows += [(s.task_id, f"{s.passed}/{s.total}", f"{s.points:.2f}", _status(s), s.hint) for s in task_scores]
     rows += [
-        (f"{chapter} other", f"{p}/{t}", "-", "the chapter's tests outside any task")
+        (f"{chapter} other", f"{p}/{t}", "-", "", "the chapter's tests outside any task")
         for chapter, (p, t) in others.items()
     ]
     total = sum(s.points for s in task_scores)
-    rows.append(("total", "", f"{total}/{len(task_scores)}", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    rows.append(("total", "", f"{total:.2f}/{len(task_scores)}", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3] for row in rows
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4] for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
     for s in task_scores:
-        lines += [f"  {s.task_id} FAILED {failure}" for failure in s.failures[:3]]
+        lines += _explain(s)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _explain(task_score: TaskScore) -> list[str]:
+    """What is wrong with a task that is not done: its hint while it is a stub, else
+    each failing test with its message."""
+    if task_score.all_passed or not task_score.failures:
+        return []
+    if task_score.is_stub:
+        return ["", f"{task_score.task_id}: not implemented yet (NotImplementedError): {task_score.hint}"]
+    lines = ["", f"{task_score.task_id}: {len(task_score.failures)} of {task_score.total} tests fail"]
+    return lines + [f"  {failure.test}: {failure.message}" for failure in task_score.failures]
 
 
 def to_json(task_scores: list[TaskScore], others: dict[str, tuple[int, int]], report: dict) -> dict:
     return {
-        "tasks": [dict(asdict(s), points=s.points, max_points=1) for s in task_scores],
+        "tasks": [
+            dict(asdict(s), points=s.points, max_points=1, all_passed=s.all_passed, is_stub=s.is_stub)
+            for s in task_scores
+        ],
         "other_tests": {chapter: {"passed": p, "total": t} for chapter, (p, t) in others.items()},
         "score": sum(s.points for s in task_scores),
         "max_score": len(task_scores),
+        "all_passed": all(s.all_passed for s in task_scores),
         "pytest_exit_status": report["exitstatus"],
         "nano_v1": report["nano_v1"],
     }

@@ -58,6 +58,7 @@ def split_graph(graph: fx.GraphModule, splitting_ops: list[str]) -> tuple[fx.Gra
     after it the next one, so pieces alternate dense / op / dense / ... . `split_module`
     turns each id into a submodule `submod_<id>` and the graph into calls of them.
     """
+    # BEGIN TASK ch08_t1: number the nodes in program order so that each splitting op is a piece alone
     splitting = set(splitting_ops)
     subgraph_id = 0
     node_to_subgraph_id: dict[fx.Node, int] = {}
@@ -72,6 +73,7 @@ def split_graph(graph: fx.GraphModule, splitting_ops: list[str]) -> tuple[fx.Gra
             subgraph_id += 1
         else:
             node_to_subgraph_id[node] = subgraph_id
+    # END TASK
     split_gm = split_module(graph, None, lambda node: node_to_subgraph_id[node], keep_original_order=True)
     items = []
     for name, module in split_gm.named_children():

@@ -84,7 +84,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        # BEGIN TASK ch03_t2: hits up to the first miss (last token never hits); set num_computed_tokens
+        # BEGIN TASK ch03_t2: the longest cached prefix; the last token is computed anyway, for its logits
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
         computed_blocks = []
         # Chain hashes: block i's hash names tokens [0, (i+1) * block_size), so the
@@ -151,7 +151,7 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         assert not (new_computed_blocks and req_blocks), "cache hits are only taken on admission"
 
-        # BEGIN TASK ch02_t2: set num_computed_tokens and num_new_blocks (slots capped at max_model_len)
+        # BEGIN TASK ch02_t2: num_computed_tokens, num_new_blocks: room for its tokens and drafts, in context
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len

@@ -113,7 +113,7 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the first `n` blocks, front first, in one pass."""
         assert 0 <= n <= self.num_free_blocks, f"cannot pop {n} of {self.num_free_blocks} free blocks"
-        # BEGIN TASK ch02_t1: unlink the first n blocks, clear their links, reconnect the head sentinel
+        # BEGIN TASK ch02_t1: take the n least recently used blocks in one pass, leaving a valid queue behind
         popped = []
         block = self.fake_free_list_head.next_free_block
         for _ in range(n):
@@ -245,7 +245,7 @@ class RequestBlockHasher:
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of blocks `len(request.block_hashes)`, ... that are now full (a partial
         last block gets no hash until it fills)."""
-        # BEGIN TASK ch03_t1: hash each newly full block and its extra keys, chaining from the previous hash
+        # BEGIN TASK ch03_t1: hash each newly full block and its extra keys so a hash names its whole prefix
         block_size = self.block_size
         start = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens

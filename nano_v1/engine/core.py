@@ -243,11 +243,13 @@ class EngineCoreProc(EngineCore):
             self._process_engine_step()
 
     def _process_input_queue(self) -> None:
+        # BEGIN TASK ch09_t1: idle, wait for work without spinning; busy, take all that is queued, never wait
         # Idle: block until a request arrives (no spinning). Busy: take what is there, don't wait.
         while not self.scheduler.has_unfinished_requests():
             self._handle_client_request(*self.input_queue.get())
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
+        # END TASK
 
     def _process_engine_step(self) -> None:
         outputs = self.step()
@@ -257,6 +259,7 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait(outputs)
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        # BEGIN TASK ch09_t2: add, abort, or call a method by name; a failed call is answered, not fatal
         if request_type == EngineCoreRequestType.ADD:
             self.add_request(request)
         elif request_type == EngineCoreRequestType.ABORT:
@@ -268,9 +271,10 @@ class EngineCoreProc(EngineCore):
             output = UtilityOutput(call_id)
             try:
                 output.result = getattr(self, method_name)(*args)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  (whatever a call raises, the client hears it)
                 output.failure_message = f"call to {method_name} failed: {e!r}"
             self.output_queue.put_nowait(EngineCoreOutputs(utility_output=output))
+        # END TASK
 
     def _send_engine_dead(self) -> None:
         self.output_queue.put_nowait(EngineCoreProc.ENGINE_CORE_DEAD)

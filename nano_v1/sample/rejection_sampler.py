@@ -109,7 +109,6 @@ class RejectionSampler(nn.Module):
             None if md.top_p is None else md.top_p[req_of_token],
         )
         probs = logits.softmax(dim=-1)  # [num_draft_tokens_total, vocab]
-        draft_probs = probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)  # p(draft)
 
         # Seeded requests draw from their own generator, one draw per draft of theirs.
         starts = metadata.cu_num_draft_tokens - metadata.num_draft_tokens
@@ -121,10 +120,12 @@ class RejectionSampler(nn.Module):
             if end > start:
                 uniform[start:end].uniform_(generator=generator)
                 token_generators.update(dict.fromkeys(range(start, end), generator))
+        # BEGIN TASK ch10_t2: keep draft x with probability p(x), else redraw from p without x: output ~ p
+        draft_probs = probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)  # p(draft)
         accepted = uniform < draft_probs
-
         # The residual max(p - onehot(draft), 0) is p with the draft's entry zeroed;
         # random_sample's exponential race needs no normalisation.
         residual = probs.scatter(1, draft_token_ids.unsqueeze(1), 0.0)
         recovered = random_sample(residual, token_generators)
+        # END TASK
         return accepted, recovered

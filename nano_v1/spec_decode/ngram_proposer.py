@@ -46,6 +46,7 @@ def find_ngram_drafts(
     E.g. tokens `a b c a b` (T = 5), n = 2: the last 2-gram `a b` also ends at
     position 1; tokens from position 2 on follow it: `c a b` (k = 3).
     """
+    # BEGIN TASK ch10_t1: the tokens after an earlier occurrence of each row's longest recurring suffix n-gram
     num_rows = token_ids.shape[0]
     width = int(num_tokens.max()) if num_rows else 0
     tokens = token_ids[:, :width]  # [num_rows, width]
@@ -71,6 +72,7 @@ def find_ngram_drafts(
     positions = np.minimum(start[:, None] + np.arange(k)[None, :], max(width - 1, 0))  # [num_rows, k]
     drafts = tokens[rows[:, None], positions] if width else np.zeros((num_rows, k), dtype=token_ids.dtype)
     return drafts, num_drafts
+    # END TASK
 
 
 def _last_true(mask: np.ndarray) -> np.ndarray:

@@ -94,7 +94,7 @@ class BlockTable:
         its request. Reading the table through `ravel()` turns the 2-D lookup into one
         gather at `req * max_num_blocks_per_req + pos // B`.
         """
-        # BEGIN TASK ch05_t1: slot = block_table[req, pos // block_size] * block_size + pos % block_size
+        # BEGIN TASK ch05_t1: each token's slot in the paged cache, via its request's block-table row; no loop
         num_tokens = req_indices.shape[0]
         flat_indices = req_indices * self.max_num_blocks_per_req + positions // self.block_size
         block_numbers = self.block_table.np.ravel()[flat_indices]  # [num_tokens]

@@ -336,7 +336,7 @@ class GPUModelRunner:
             [scheduler_output.num_scheduled_tokens[r] for r in input_batch.req_ids], dtype=np.int32
         )
         assert num_scheduled_tokens.sum() == total_num_tokens
-        # BEGIN TASK ch05_t2: req_indices, cu_num_tokens, positions_np (a view of self.positions.np); no loop
+        # BEGIN TASK ch05_t2: each token's row and position, each request's end; write self.positions; no loop
         # Batch row of each token: [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
         req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)
         # End of each request's tokens in the flat batch: [2, 7, 10]

@@ -293,6 +293,7 @@ def use_cascade_attention(
     cascade gives each query head one program per 128 tokens, each looping over every
     prefix tile; flash-decoding gives every (request, KV head, prefix tile) its own program.
     """
+    # BEGIN TASK ch07_t2: no short prefix, variant or small batch; then cascade unless flash-decoding wins
     if common_prefix_len < 256:
         return False
     if use_alibi or use_sliding_window or use_local_attention:
@@ -315,6 +316,7 @@ def use_cascade_attention(
     flash_decoding_ctas = num_reqs * num_kv_heads * -(-num_queries_per_kv // q_tile_size) * num_prefix_tiles
     flash_decoding_time = -(-flash_decoding_ctas // num_sms)  # each program handles one tile
     return cascade_time < flash_decoding_time
+    # END TASK
 
 
 def cascade_attention(

@@ -38,6 +38,7 @@ def reshape_and_cache_flash(
     rows after them (as with CUDA graphs later), and those have no slot. A slot of -1 also
     means "no slot" (vLLM's mark for a padding token inside the mapping): it is skipped.
     """
+    # BEGIN TASK ch01_t1: write each token's key and value to its slot; padding rows and -1 slots have none
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_size = key.shape[1], key.shape[2]
     has_slot = slot_mapping >= 0  # [num_tokens]
@@ -45,6 +46,7 @@ def reshape_and_cache_flash(
     # The cache seen as one long array of slots: [num_blocks * block_size, num_kv_heads, head_size].
     key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, key[:num_tokens][has_slot])
     value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, value[:num_tokens][has_slot])
+    # END TASK
 
 
 @dataclass(slots=True)
@@ -217,6 +219,7 @@ def unified_attention(
         out[split.decode_token_ids] = o.view(num_decodes, num_heads, head_size).to(out.dtype)
 
     # Requests with several queries (prefills and prefill chunks), one at a time.
+    # BEGIN TASK ch01_t2: attend each multi-query request over its paged context, query i at its own position
     for req, start, end, seq_len in split.prefills:
         query_len = end - start
         num_pages = -(-seq_len // block_size)
@@ -236,6 +239,7 @@ def unified_attention(
             o, l = _attend(q_req, k, v, no_mask if masked is None else masked, softmax_scale)
             lse[:, start:end] = l.reshape(num_heads, query_len)
         out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
+    # END TASK
     return lse
 
 
@@ -255,6 +259,7 @@ def merge_attn_states(
     (+inf from some kernels, -inf from others); it gets weight 0, and if both parts are
     empty the output is 0 rather than NaN.
     """
+    # BEGIN TASK ch07_t1: weight each part by its share exp(lse) of the joint softmax; an empty part weighs 0
     p_lse = prefix_lse.float().clone()
     s_lse = suffix_lse.float().clone()
     p_lse[p_lse == float("inf")] = float("-inf")
@@ -271,3 +276,4 @@ def merge_attn_states(
     output.copy_(merged.to(output.dtype))
     if output_lse is not None:
         output_lse.copy_(torch.log(total) + max_lse)
+    # END TASK

@@ -37,6 +37,7 @@ def _reshape_and_cache_kernel(
     HEAD_SIZE_PADDED: tl.constexpr,  # next power of two
     BLOCK_SIZE: tl.constexpr,
 ):
+    # BEGIN TASK ch06_t1: program t copies token t's keys and values to its slot; a slot of -1 is not written
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -54,6 +55,7 @@ def _reshape_and_cache_kernel(
         value_ptr + token * stride_value_tok + offs_h[:, None] * stride_value_head + offs_d[None, :], mask=mask
     )
     tl.store(value_cache_ptr + cache_offs, value, mask=mask)
+    # END TASK
 
 
 def reshape_and_cache_flash(

@@ -141,6 +141,7 @@ def _unified_attention_kernel(
             visible = visible & (key_pos[None, :] <= context_len + query_pos[:, None])
         S = tl.where(visible, S, float("-inf"))
 
+        # BEGIN TASK ch06_t2: fold the tile into the running max, sum and output, rescaling what came before
         M_new = tl.maximum(M, tl.max(S, axis=1))
         # A row with no visible key yet (padding rows) keeps M = -inf; shift by 0 instead of NaN.
         M_safe = tl.where(M_new > float("-inf"), M_new, 0.0)
@@ -149,6 +150,7 @@ def _unified_attention_kernel(
         L = L * alpha + tl.sum(P, axis=1)
         acc = acc * alpha[:, None] + tl.dot(P.to(DOT_DTYPE), V, input_precision=DOT_PRECISION)
         M = M_new
+        # END TASK
 
     # A row that saw no key at all (an empty context) gets output 0 and LSE -inf.
     safe_L = tl.where(L > 0.0, L, 1.0)

@@ -310,7 +310,7 @@ class Scheduler:
         rejects longer prompts, `check_stop` finishes a request at max_model_len), so the
         context cap never binds for it; v0.11.0 applies that cap in the running pass only.
         """
-        # BEGIN TASK ch04_t2: the tokens it lacks (drafts too), capped by the prefill threshold and context
+        # BEGIN TASK ch04_t2: what it lacks (drafts too); no prompt may hog a step, nor outgrow the context
         num_new_tokens = request.num_tokens_with_spec - num_computed_tokens
         # One long prompt must not take every step's whole budget (0: no threshold).
         if 0 < self.long_prefill_token_threshold < num_new_tokens:

@@ -19,7 +19,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     a request sample a stop token before its minimum, so one here is a real stop (as in
     vLLM v0.11.0).
     """
-    # BEGIN TASK ch04_t1: the length caps come first; then EOS (unless ignored) or a stop token id
+    # BEGIN TASK ch04_t1: does the last token end the request, and why? Hitting a length limit outranks a stop
     if request.num_tokens >= max_model_len or (
         request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
     ):

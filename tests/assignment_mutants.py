@@ -1,0 +1,686 @@
+"""Planted bugs ("mutants") for each assignment task: mistakes a student makes.
+
+tests/test_assignments.py applies every mutant to a copy of the repository, runs the
+task's tests on it (`-m chNN_tK`), and fails, naming the mutant, if they all pass: a
+task's tests must catch each of its mutants, not just a stub.
+
+A mutant is a textual edit of the task's reference region (`nano_v1.assignments.Mutant`):
+`old` must occur exactly once between the task's `# BEGIN TASK` and `# END TASK` lines
+and becomes `new`, both written with the file's own indentation. A mutant whose `old`
+the region no longer holds fails the integrity check loudly (`mutate_source`), so the
+list cannot rot when the reference changes. To add one, append a Mutant to the task's
+list below and run `pytest -m assignments tests/test_assignments.py`; if it survives,
+strengthen the tests that carry the task's marker until it is caught.
+"""
+
+from __future__ import annotations
+
+from nano_v1.assignments import Mutant
+
+MUTANTS: dict[str, list[Mutant]] = {
+    "ch01_t1": [
+        Mutant(
+            "value_from_the_key",
+            "writes the token's key into the value cache",
+            old="index_copy_(0, slots, value[:num_tokens][has_slot])",
+            new="index_copy_(0, slots, key[:num_tokens][has_slot])",
+        ),
+        Mutant(
+            "reads_the_padding_rows",
+            "takes the last rows of key/value instead of the first len(slot_mapping)",
+            old="index_copy_(0, slots, key[:num_tokens][has_slot])",
+            new="index_copy_(0, slots, key[-num_tokens:][has_slot])",
+        ),
+        Mutant(
+            "drops_the_wrong_tokens",
+            "drops as many tokens as there are -1 slots, but from the end instead of where they are",
+            old="index_copy_(0, slots, key[:num_tokens][has_slot])",
+            new="index_copy_(0, slots, key[: len(slots)])",
+        ),
+        Mutant(
+            "keys_only",
+            "forgets to write the values",
+            old="    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, value[:num_tokens][has_slot])\n",
+            new="",
+        ),
+    ],
+    "ch01_t2": [
+        Mutant(
+            "positions_from_zero",
+            "places a chunk's queries at positions 0.. instead of after the context already cached",
+            old="q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)",
+            new="q_pos = torch.arange(0, query_len, device=q.device)",
+        ),
+        Mutant(
+            "hides_its_own_position",
+            "masks the key at the query's own position (>= for >)",
+            old="[None, :] > q_pos[:, None]",
+            new="[None, :] >= q_pos[:, None]",
+        ),
+        Mutant(
+            "lse_not_written",
+            "forgets to store the log-sum-exp of multi-query requests",
+            old="            lse[:, start:end] = l.reshape(num_heads, query_len)\n",
+            new="",
+        ),
+        Mutant(
+            "heads_misordered",
+            "lays the output out as [query, group, KV head] instead of [query, KV head, group]",
+            old="o.permute(2, 0, 1, 3)",
+            new="o.permute(2, 1, 0, 3)",
+        ),
+    ],
+    "ch02_t1": [
+        Mutant(
+            "front_keeps_old_back_link",
+            "reconnects the head to the new front but not the front back to the head",
+            old="        block.prev_free_block = self.fake_free_list_head\n",
+            new="",
+        ),
+        Mutant(
+            "popped_blocks_keep_links",
+            "leaves the popped blocks' links set, so they still look like members of the queue",
+            old="            block.prev_free_block = block.next_free_block = None\n",
+            new="",
+        ),
+        Mutant(
+            "count_not_updated",
+            "forgets to lower num_free_blocks",
+            old="        self.num_free_blocks -= n\n",
+            new="",
+        ),
+        Mutant(
+            "pops_one_too_few",
+            "off by one: pops n - 1 blocks",
+            old="for _ in range(n):",
+            new="for _ in range(1, n):",
+        ),
+    ],
+    "ch02_t2": [
+        Mutant(
+            "floor_division",
+            "rounds the block count down: a partly filled last block gets no block",
+            old="-(-num_tokens_need_slot // self.block_size)",
+            new="num_tokens_need_slot // self.block_size",
+        ),
+        Mutant(
+            "no_max_model_len_cap",
+            "reserves slots for positions at or past max_model_len",
+            old="min(\n            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len\n        )",
+            new="num_computed_tokens + num_new_tokens + num_lookahead_tokens",
+        ),
+        Mutant(
+            "ceil_off_by_one",
+            "rounds up by adding a whole block: an exactly full last block gets a spare",
+            old="-(-num_tokens_need_slot // self.block_size)",
+            new="(num_tokens_need_slot + self.block_size) // self.block_size",
+        ),
+        Mutant(
+            "only_new_tokens",
+            "counts slots for this step's tokens only, forgetting those already computed",
+            old="num_computed_tokens + num_new_tokens + num_lookahead_tokens,",
+            new="num_new_tokens + num_lookahead_tokens,",
+        ),
+        Mutant(
+            "no_lookahead",
+            "forgets the lookahead (draft) slots",
+            old="num_computed_tokens + num_new_tokens + num_lookahead_tokens,",
+            new="num_computed_tokens + num_new_tokens,",
+        ),
+    ],
+    "ch03_t1": [
+        Mutant(
+            "no_chaining",
+            "hashes each block's tokens alone, without its parent's hash",
+            old="hash_block_tokens(parent, ",
+            new="hash_block_tokens(None, ",
+        ),
+        Mutant(
+            "chain_restarts_each_call",
+            "starts every call's chain from nothing instead of the last hash the request has",
+            old="parent = request.block_hashes[-1] if request.block_hashes else None",
+            new="parent = None",
+        ),
+        Mutant(
+            "hashes_partial_block",
+            "also hashes the last, partly filled block",
+            old="range(start, num_tokens - block_size + 1, block_size)",
+            new="range(start, num_tokens, block_size)",
+        ),
+        Mutant(
+            "misses_block_just_filled",
+            "off by one: a block that has just become full waits a token for its hash",
+            old="num_tokens - block_size + 1",
+            new="num_tokens - block_size",
+        ),
+        Mutant(
+            "rehashes_from_the_start",
+            "hashes every full block again on each call instead of the new ones only",
+            old="start = len(request.block_hashes) * block_size",
+            new="start = 0",
+        ),
+    ],
+    "ch03_t2": [
+        Mutant(
+            "no_last_token_cap",
+            "forgets the num_tokens - 1 cap: a fully cached prompt hits every block",
+            old="(request.num_tokens - 1) // self.block_size",
+            new="request.num_tokens // self.block_size",
+        ),
+        Mutant(
+            "cap_one_block_short",
+            "caps the hit one block below the last full block, even when a token follows it",
+            old="(request.num_tokens - 1) // self.block_size",
+            new="request.num_tokens // self.block_size - 1",
+        ),
+        Mutant(
+            "skips_misses",
+            "steps over a miss and keeps matching the blocks after it",
+            old="                break\n",
+            new="                continue\n",
+        ),
+        Mutant(
+            "counts_blocks_not_tokens",
+            "returns the number of hit blocks where the number of hit tokens is due",
+            old="num_computed_tokens = len(computed_blocks) * self.block_size",
+            new="num_computed_tokens = len(computed_blocks)",
+        ),
+    ],
+    "ch04_t1": [
+        Mutant(
+            "eos_despite_ignore_eos",
+            "stops at EOS even when the request asked to ignore it",
+            old="if not params.ignore_eos and last_token_id == request.eos_token_id:",
+            new="if last_token_id == request.eos_token_id:",
+        ),
+        Mutant(
+            "max_tokens_off_by_one",
+            "uses > for >= on max_tokens: one token too many",
+            old="request.num_output_tokens >= request.max_tokens",
+            new="request.num_output_tokens > request.max_tokens",
+        ),
+        Mutant(
+            "max_model_len_off_by_one",
+            "uses > for >= on max_model_len: a token past the context window",
+            old="request.num_tokens >= max_model_len",
+            new="request.num_tokens > max_model_len",
+        ),
+        Mutant(
+            "stop_token_before_length",
+            "checks EOS before the length caps, so a capped request reports a stop",
+            old="    if request.num_tokens >= max_model_len or (",
+            new=(
+                "    if request.output_token_ids[-1] == request.eos_token_id and not request.sampling_params.ignore_eos:\n"
+                "        request.status = RequestStatus.FINISHED_STOPPED\n"
+                "        return True\n"
+                "    if request.num_tokens >= max_model_len or ("
+            ),
+        ),
+        Mutant(
+            "no_stop_reason",
+            "stops at a stop token id without recording which one",
+            old="        request.stop_reason = last_token_id\n",
+            new="",
+        ),
+    ],
+    "ch04_t2": [
+        Mutant(
+            "forgets_drafts",
+            "counts the known tokens only: the drafts to verify are never scheduled",
+            old="request.num_tokens_with_spec - num_computed_tokens",
+            new="request.num_tokens - num_computed_tokens",
+        ),
+        Mutant(
+            "ignores_cache_hits",
+            "counts from request.num_computed_tokens, not the num_computed_tokens given (which includes cache hits)",
+            old="request.num_tokens_with_spec - num_computed_tokens",
+            new="request.num_tokens_with_spec - request.num_computed_tokens",
+        ),
+        Mutant(
+            "zero_threshold_caps",
+            "treats a long_prefill_token_threshold of 0 (no threshold) as a cap of 0 tokens",
+            old="if 0 < self.long_prefill_token_threshold < num_new_tokens:",
+            new="if self.long_prefill_token_threshold < num_new_tokens:",
+        ),
+        Mutant(
+            "no_threshold",
+            "ignores long_prefill_token_threshold",
+            old="            num_new_tokens = self.long_prefill_token_threshold\n",
+            new="            pass\n",
+        ),
+        Mutant(
+            "context_cap_off_by_one",
+            "caps at max_model_len - num_computed_tokens: the token sampled next falls outside the context",
+            old="self.max_model_len - 1 - num_computed_tokens",
+            new="self.max_model_len - num_computed_tokens",
+        ),
+    ],
+    "ch05_t1": [
+        Mutant(
+            "wrong_row_stride",
+            "steps between block-table rows by block_size instead of the row length",
+            old="req_indices * self.max_num_blocks_per_req",
+            new="req_indices * self.block_size",
+        ),
+        Mutant(
+            "position_as_block_index",
+            "indexes the block table by position instead of position // block_size",
+            old="positions // self.block_size",
+            new="positions",
+        ),
+        Mutant(
+            "block_id_not_scaled",
+            "adds the offset to the block id itself instead of to the block's first slot",
+            old="block_numbers * self.block_size,",
+            new="block_numbers,",
+        ),
+        Mutant(
+            "position_as_offset",
+            "adds the whole position instead of the offset within the block",
+            old="positions % self.block_size,",
+            new="positions,",
+        ),
+    ],
+    "ch05_t2": [
+        Mutant(
+            "positions_forget_computed",
+            "numbers each request's tokens from 0 instead of from its computed tokens",
+            old="np.add(input_batch.num_computed_tokens_cpu[req_indices], chunk_offsets, out=positions_np)",
+            new="positions_np[:] = chunk_offsets",
+        ),
+        Mutant(
+            "positions_not_a_view",
+            "computes the positions into a new array, so self.positions is never filled",
+            old="positions_np = self.positions.np[:total_num_tokens]",
+            new="positions_np = np.empty(total_num_tokens, dtype=self.positions.np.dtype)",
+        ),
+        Mutant(
+            "offsets_from_chunk_ends",
+            "measures each token's offset from its chunk's end instead of its start",
+            old="cu_num_tokens - num_scheduled_tokens, num_scheduled_tokens",
+            new="cu_num_tokens, num_scheduled_tokens",
+        ),
+        Mutant(
+            "exclusive_cumsum",
+            "makes cu_num_tokens the chunks' starts instead of their ends",
+            old="cu_num_tokens = np.cumsum(num_scheduled_tokens)",
+            new="cu_num_tokens = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens",
+        ),
+        Mutant(
+            "starts_at_num_tokens",
+            "numbers each request's tokens from its known tokens (num_tokens) instead of its computed ones",
+            old="input_batch.num_computed_tokens_cpu[req_indices]",
+            new="input_batch.num_tokens[req_indices]",
+        ),
+    ],
+    "ch06_t1": [
+        Mutant(
+            "values_into_both_caches",
+            "stores the token's key into the value cache too",
+            old="tl.store(value_cache_ptr + cache_offs, value, mask=mask)",
+            new="tl.store(value_cache_ptr + cache_offs, key, mask=mask)",
+        ),
+        Mutant(
+            "first_head_only",
+            "copies the first KV head of each token and drops the others",
+            old="mask = (offs_h < NUM_KV_HEADS)[:, None]",
+            new="mask = (offs_h < 1)[:, None]",
+        ),
+        Mutant(
+            "wrong_token_row",
+            "steps between tokens by the head stride: reads another token's row",
+            old="key_ptr + token * stride_key_tok",
+            new="key_ptr + token * stride_key_head",
+        ),
+        Mutant(
+            "block_start_only",
+            "writes every token at the start of its block, forgetting its offset in the block",
+            old="in_block = slot % BLOCK_SIZE",
+            new="in_block = slot * 0",
+        ),
+    ],
+    "ch06_t2": [
+        Mutant(
+            "output_not_rescaled",
+            "adds a tile's P @ V without rescaling the output accumulated under the old max",
+            old="acc = acc * alpha[:, None] + tl.dot(",
+            new="acc = acc + tl.dot(",
+        ),
+        Mutant(
+            "sum_not_rescaled",
+            "adds a tile's probabilities without rescaling the running sum under the old max",
+            old="L = L * alpha + tl.sum(P, axis=1)",
+            new="L = L + tl.sum(P, axis=1)",
+        ),
+        Mutant(
+            "max_never_updated",
+            "forgets to keep the new running max for the next tile",
+            old="        M = M_new\n",
+            new="",
+        ),
+        Mutant(
+            "exp_under_the_old_max",
+            "exponentiates the tile's scores against the old max, before this tile raised it",
+            old="P = tl.exp(S - M_safe[:, None])",
+            new='P = tl.exp(S - tl.where(M > float("-inf"), M, 0.0)[:, None])',
+        ),
+    ],
+    "ch07_t1": [
+        Mutant(
+            "plus_inf_is_not_empty",
+            "takes an empty prefix's LSE of +inf at face value, as if it held all the mass",
+            old='    p_lse[p_lse == float("inf")] = float("-inf")\n',
+            new="",
+        ),
+        Mutant(
+            "no_shift_by_the_max",
+            "weights by exp(lse) directly: exp(1000) overflows float32",
+            old="max_lse = torch.maximum(p_lse, s_lse)",
+            new="max_lse = torch.zeros_like(p_lse)",
+        ),
+        Mutant(
+            "both_empty_is_nan",
+            "shifts by a max LSE of -inf when both parts are empty: exp(-inf - -inf) is NaN",
+            old='    max_lse[max_lse == float("-inf")] = 0.0  # both empty: any finite shift will do\n',
+            new="",
+        ),
+        Mutant(
+            "weights_not_normalised",
+            "adds the parts weighted by exp(lse - max) without dividing by the weights' sum",
+            old="p_scale = (p_weight / safe_total)",
+            new="p_scale = (p_weight / 1.0)",
+        ),
+        Mutant(
+            "lse_not_shifted_back",
+            "returns log(total) as the merged LSE, forgetting to add the max it was shifted by",
+            old="output_lse.copy_(torch.log(total) + max_lse)",
+            new="output_lse.copy_(torch.log(total))",
+        ),
+    ],
+    "ch07_t2": [
+        Mutant(
+            "prefix_threshold_off_by_one",
+            "refuses a prefix of exactly 256 tokens",
+            old="if common_prefix_len < 256:",
+            new="if common_prefix_len <= 256:",
+        ),
+        Mutant(
+            "cascades_with_alibi",
+            "cascades with ALiBi, whose bias the unmasked prefix pass does not apply",
+            old="if use_alibi or use_sliding_window or use_local_attention:",
+            new="if use_sliding_window or use_local_attention:",
+        ),
+        Mutant(
+            "request_threshold_off_by_one",
+            "cascades with 7 requests; vLLM needs at least 8",
+            old="if num_reqs < 8:",
+            new="if num_reqs < 7:",
+        ),
+        Mutant(
+            "flash_decoding_without_gqa",
+            "takes multi-head attention (one query head per KV head) as flash-decoding",
+            old="num_queries_per_kv > 1 and bool(np.all(query_lens == 1))",
+            new="bool(np.all(query_lens == 1))",
+        ),
+        Mutant(
+            "cascade_per_kv_head",
+            "gives cascade one program per KV head instead of per query head",
+            old="cascade_ctas = num_query_heads *",
+            new="cascade_ctas = num_kv_heads *",
+        ),
+        Mutant(
+            "cascade_in_one_wave",
+            "forgets that cascade's programs run in waves over the SMs",
+            old="cascade_time = cascade_waves * num_prefix_tiles",
+            new="cascade_time = num_prefix_tiles",
+        ),
+    ],
+    "ch08_t1": [
+        Mutant(
+            "op_joins_the_piece_before",
+            "gives a splitting op the id of the dense piece before it",
+            old="""            subgraph_id += 1
+            node_to_subgraph_id[node] = subgraph_id
+""",
+            new="""            node_to_subgraph_id[node] = subgraph_id
+""",
+        ),
+        Mutant(
+            "piece_after_joins_the_op",
+            "lets the ops after a splitting op join its piece",
+            old="""            splitting_ids.add(subgraph_id)
+            subgraph_id += 1
+""",
+            new="""            splitting_ids.add(subgraph_id)
+""",
+        ),
+        Mutant(
+            "ops_not_marked",
+            "forgets to record which pieces are splitting ops",
+            old="            splitting_ids.add(subgraph_id)\n",
+            new="",
+        ),
+        Mutant(
+            "every_call_splits",
+            "treats every function call as a splitting op",
+            old='node.op == "call_function" and op_name(node.target) in splitting',
+            new='node.op == "call_function"',
+        ),
+    ],
+    "ch08_t2": [
+        Mutant(
+            "ignores_the_runtime_mode",
+            "captures in any graph mode, not only the wrapper's own",
+            old="if forward_context.cudagraph_runtime_mode != self.runtime_mode or descriptor is None:",
+            new="if descriptor is None:",
+        ),
+        Mutant(
+            "captures_every_call",
+            "captures a new graph on every call instead of replaying the one it has",
+            old="entry = self.entries.get(descriptor)",
+            new="entry = None",
+        ),
+        Mutant(
+            "no_address_check",
+            "replays even when the inputs moved since the capture",
+            old="assert tensor_addresses(args) == entry.input_addresses, (",
+            new="assert True or tensor_addresses(args) == entry.input_addresses, (",
+        ),
+        Mutant(
+            "replay_returns_fresh_tensors",
+            "returns a new eager result after the replay instead of the graph's outputs",
+            old="        return entry.output\n",
+            new="        return self.runnable(*args)\n",
+        ),
+        Mutant(
+            "capture_not_counted",
+            "forgets to count the capture",
+            old="            compilation_counter.num_cudagraph_captured += 1\n",
+            new="",
+        ),
+    ],
+    "ch09_t1": [
+        Mutant(
+            "idle_core_spins",
+            "returns at once when idle, so the busy loop spins on an empty scheduler",
+            old="        while not self.scheduler.has_unfinished_requests():\n",
+            new="        while False:\n",
+        ),
+        Mutant(
+            "busy_core_ignores_new_requests",
+            "takes no queued message while busy: new requests wait until every running one is done",
+            old="""        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+""",
+            new="",
+        ),
+        Mutant(
+            "one_message_per_step",
+            "takes one queued message per step instead of all of them",
+            old="while not self.input_queue.empty():",
+            new="if not self.input_queue.empty():",
+        ),
+        Mutant(
+            "busy_core_waits",
+            "waits for one more message even when busy",
+            old="        while not self.input_queue.empty():\n",
+            new="        self._handle_client_request(*self.input_queue.get())\n        while not self.input_queue.empty():\n",
+        ),
+    ],
+    "ch09_t2": [
+        Mutant(
+            "abort_adds",
+            "treats an ABORT as an ADD",
+            old="            self.abort_requests(request)\n",
+            new="            self.add_request(request)\n",
+        ),
+        Mutant(
+            "failure_kills_the_core",
+            "lets a failed call's exception escape: the engine core dies",
+            old="            except Exception as e:",
+            new="            except KeyError as e:",
+        ),
+        Mutant(
+            "failure_not_reported",
+            "answers a failed call without saying it failed",
+            old='                output.failure_message = f"call to {method_name} failed: {e!r}"\n',
+            new="                pass\n",
+        ),
+        Mutant(
+            "answer_lost",
+            "never sends the answer of a utility call",
+            old="            self.output_queue.put_nowait(EngineCoreOutputs(utility_output=output))\n",
+            new="",
+        ),
+        Mutant(
+            "wrong_call_id",
+            "answers under call id 0, so the client cannot match the answer to its call",
+            old="output = UtilityOutput(call_id)",
+            new="output = UtilityOutput(0)",
+        ),
+    ],
+    "ch10_t1": [
+        Mutant(
+            "no_preference_for_k_known_tokens",
+            "takes the latest occurrence even when an earlier one is followed by k known tokens",
+            old="            latest_end = np.where(latest_full_end != NO_MATCH, latest_full_end, latest_end)\n",
+            new="",
+        ),
+        Mutant(
+            "shortest_n_wins",
+            "keeps the first (shortest) n-gram that matched instead of the longest",
+            old="best_end = np.where(latest_end != NO_MATCH, latest_end, best_end)",
+            new="best_end = np.where(best_end == NO_MATCH, latest_end, best_end)",
+        ),
+        Mutant(
+            "matches_itself",
+            "lets the row's own suffix count as an earlier occurrence, with no token after it",
+            old="match = np.arange(width)[None, :] <= last - 2",
+            new="match = np.arange(width)[None, :] <= last - 1",
+        ),
+        Mutant(
+            "drafts_past_the_known_tokens",
+            "always drafts k tokens, reading past the row's known tokens",
+            old="np.minimum(k, last[:, 0] - start)",
+            new="k",
+        ),
+        Mutant(
+            "ignores_min_n",
+            "accepts n-grams shorter than min_n",
+            old="if n >= min_n:",
+            new="if n >= 1:",
+        ),
+    ],
+    "ch10_t2": [
+        Mutant(
+            "accepts_always",
+            "keeps every draft",
+            old="accepted = uniform < draft_probs",
+            new="accepted = uniform <= 1.0",
+        ),
+        Mutant(
+            "redraws_from_the_target",
+            "on rejection draws from p itself, which may give the rejected draft back",
+            old="residual = probs.scatter(1, draft_token_ids.unsqueeze(1), 0.0)",
+            new="residual = probs",
+        ),
+        Mutant(
+            "accepts_too_often",
+            "keeps a draft with probability sqrt(p(draft)) instead of p(draft)",
+            old="accepted = uniform < draft_probs",
+            new="accepted = uniform < draft_probs.sqrt()",
+        ),
+        Mutant(
+            "probability_of_the_argmax",
+            "keeps a draft with the probability of the most likely token instead of the draft's own",
+            old="draft_probs = probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)",
+            new="draft_probs = probs.max(dim=1).values",
+        ),
+        Mutant(
+            "redraws_ignore_seeds",
+            "redraws a seeded request's token from the global generator",
+            old="random_sample(residual, token_generators)",
+            new="random_sample(residual, {})",
+        ),
+    ],
+    "ch11_t1": [
+        Mutant(
+            "ignores_the_compute_budget",
+            "encodes every image the chunk covers, however little of the step's encoder budget is left",
+            old="request, i, encoder_compute_budget, num_tokens_to_schedule",
+            new="request, i, 10**9, num_tokens_to_schedule",
+        ),
+        Mutant(
+            "never_cuts_the_chunk",
+            "skips an image it cannot encode now but lets the chunk run over its positions",
+            old="                num_new_tokens = max(start_pos - num_computed_tokens, 0)\n",
+            new="",
+        ),
+        Mutant(
+            "encodes_a_repeat_twice",
+            "encodes an image again when the same one appears earlier in the prompt",
+            old="            if mm_feature.identifier in mm_hashes_to_schedule:\n"
+            "                continue  # the same image earlier in this prompt: encoded once\n",
+            new="",
+        ),
+        Mutant(
+            "reencodes_computed_images",
+            "encodes images whose positions are already in the KV cache, behind the chunk",
+            old="            if start_pos + num_encoder_tokens <= num_computed_tokens:\n"
+            "                continue  # its positions are in the KV cache already\n",
+            new="",
+        ),
+        Mutant(
+            "splits_images_when_told_not_to",
+            "ignores disable_chunked_mm_input: a chunk may end inside an image",
+            old="                self.disable_chunked_mm_input\n",
+            new="                False\n",
+        ),
+    ],
+    "ch11_t2": [
+        Mutant(
+            "only_at_the_block_start",
+            "looks for images at the block's first position only",
+            old="if offset >= end_token_idx:",
+            new="if offset >= start_token_idx + 1:",
+        ),
+        Mutant(
+            "one_short_at_the_block_end",
+            "misses an image that starts at the block's last position",
+            old="if offset >= end_token_idx:",
+            new="if offset >= end_token_idx - 1:",
+        ),
+        Mutant(
+            "keeps_the_image_just_before",
+            "off by one: also keys an image that ends right where the block starts",
+            old="> start_token_idx:",
+            new=">= start_token_idx:",
+        ),
+        Mutant(
+            "no_stop_at_the_block_end",
+            "keys the block with every image from it to the prompt's end",
+            old="        if offset >= end_token_idx:\n            break\n",
+            new="",
+        ),
+    ],
+}
