@@ -30,3 +30,24 @@ def worker_multiproc_method() -> str | None:
 def attention_backend() -> str | None:
     """VLLM_ATTENTION_BACKEND: the attention backend when `attention_backend` is not given (chapter 06)."""
     return os.environ.get("VLLM_ATTENTION_BACKEND") or None
+
+
+def rpc_timeout_s() -> float:
+    """VLLM_RPC_TIMEOUT (milliseconds, default 10000): how long a utility call waits for the engine core."""
+    return int(os.environ.get("VLLM_RPC_TIMEOUT", "10000")) / 1000
+
+
+def api_key() -> str | None:
+    """VLLM_API_KEY: the key the API server requires (`--api-key` takes precedence)."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
+def log_stats_interval_s() -> float:
+    """VLLM_LOG_STATS_INTERVAL (seconds, default 10): how often the server logs its one-line stats."""
+    interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
+    return interval if interval > 0 else 10.0
+
+
+def http_timeout_keep_alive_s() -> int:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE (seconds, default 5): when the server closes an idle connection."""
+    return int(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5
+# Integers travel to the engine core as msgpack ints and end up in int64 tensors: vLLM's
+# server bounds `seed` so (torch.iinfo(torch.long)); we bound every integer field.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -103,6 +106,16 @@ class SamplingParams:
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.",
+        )
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or _INT64_MIN <= value <= _INT64_MAX,
+                f"{name} must fit in a signed 64-bit integer, got {value}.",
+            )
+        check(
+            all(t <= _INT64_MAX for t in self.stop_token_ids),
+            f"stop_token_ids must fit in a signed 64-bit integer, got {self.stop_token_ids!r}.",
         )
 
     @property

@@ -1,9 +1,11 @@
 """A test harness: the OpenAI-compatible server in a background thread of the test process.
 
-Not part of nano_v1: `nano-v1 bench serve` measures a real `nano-v1 serve` process. Here
-the HTTP server runs in a thread of the test process (its engine core still in a process
-of its own), so that a test can call the engine core's utilities directly, e.g. to check
-that every KV block is free again after a request is aborted.
+Not part of nano_v1: `nano-v1 bench serve` measures a real `nano-v1 serve` process, and
+tests/test_serve_reliability.py tests one. Here the HTTP server runs in a thread of the
+test process (its engine core still in a process of its own), so that a test can call
+the engine core's utilities directly, e.g. to check that every KV block is free again
+after a request is aborted. It has no watchdog: when its engine core dies it keeps
+answering 503s (what `nano-v1 serve` does until it exits), so a test can look at them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import socket
 import threading
 from typing import Any
 
+import prometheus_client
+import uvicorn
+
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
-from nano_v1.entrypoints.openai.api_server import build_server
+from nano_v1.entrypoints.openai.api_server import build_app, make_stat_loggers
 
 
 class BackgroundServer:
@@ -27,13 +32,18 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, engine_args: EngineArgs, served_model_name: str = "demo", start_timeout_s: float = 300
+        self,
+        engine_args: EngineArgs,
+        served_model_name: str = "demo",
+        start_timeout_s: float = 300,
+        api_keys: list[str] | None = None,
     ) -> None:
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.served_model_name = served_model_name
+        self.api_keys = api_keys
         self.loop = asyncio.new_event_loop()
         self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.thread = threading.Thread(
@@ -47,8 +57,15 @@ class BackgroundServer:
 
     async def _main(self, engine_args: EngineArgs) -> None:
         try:
-            self.engine = AsyncLLM.from_engine_args(engine_args)
-            self.server = build_server(self.engine, self.served_model_name, "127.0.0.1", self.port, "warning")
+            vllm_config = engine_args.create_engine_config()
+            registry = prometheus_client.CollectorRegistry()
+            self.engine = AsyncLLM(
+                vllm_config, make_stat_loggers(vllm_config, self.served_model_name, registry, log_stats=False)
+            )
+            app = build_app(self.engine, self.served_model_name, registry, self.api_keys)
+            self.server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+            )
             serve = asyncio.ensure_future(self.server.serve())
             while not self.server.started and not serve.done():
                 await asyncio.sleep(0.02)

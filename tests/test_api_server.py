@@ -186,6 +186,27 @@ def test_bad_chat_request(server):
     assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
 
 
+def test_an_internal_error_is_undone_and_keeps_the_connection(server, monkeypatch):
+    """Regression: a request that failed after it was registered (here: its message cannot be sent)
+    stayed registered in the frontend, and the 500 reset the client's keep-alive connection."""
+
+    async def broken(request) -> None:
+        raise OverflowError("int too big to convert")
+
+    monkeypatch.setattr(server.engine.engine_core, "add_request_async", broken)
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT_S) as http:
+        failed = http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "InternalServerError"
+        assert not server.engine.request_queues and not server.engine.output_processor.parent_requests
+        monkeypatch.undo()
+        good = http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
+        assert good.status_code == 200
+        # Both on one connection: the 500 did not close it.
+        ports = {r.extensions["network_stream"].get_extra_info("client_addr")[1] for r in (failed, good)}
+        assert len(ports) == 1
+
+
 def test_disconnect_mid_stream_aborts_in_core(server):
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
@@ -219,11 +240,11 @@ def test_nano_v1_serve_command():
         "--num-gpu-blocks-override",
         "32",
     ]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
+            assert proc.poll() is None, proc.stderr.read()
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
                     break
@@ -240,7 +261,9 @@ def test_nano_v1_serve_command():
         )
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) is not None
+        _, stderr = proc.communicate(timeout=30)
+    # Ctrl-C is a clean stop. Regression: it printed a KeyboardInterrupt traceback.
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
 
 
 def test_engine_core_killed_requests_fail_fast(server):
@@ -255,13 +278,15 @@ def test_engine_core_killed_requests_fail_fast(server):
         next(iter(stream))
         start = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(openai.APIError, match="engine core"):
+        with pytest.raises(openai.APIError, match="engine core") as streamed:
             for _ in stream:
                 pass
         assert time.monotonic() - start < 10
         with pytest.raises(openai.APIStatusError, match="engine core") as info:
             client.completions.create(model="demo", prompt="x", max_tokens=2)
         assert info.value.status_code == 503
+        # One spelling of the error type, in a stream's error event and in a 503 response alike.
+        assert streamed.value.body["type"] == info.value.body["type"] == "ServiceUnavailableError"
         assert httpx.get(f"{doomed.base_url}/health", timeout=TIMEOUT_S).status_code == 503
     finally:
         doomed.stop()

@@ -10,14 +10,18 @@ import dataclasses
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 from test_llm import prefix_cache_counters, shared_prefix_prompts
 
 from nano_v1 import LLM, SamplingParams
+from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -29,7 +33,10 @@ from nano_v1.engine import (
 from nano_v1.engine.core import EngineCoreProc
 from nano_v1.engine.core_client import InprocClient, SyncMPClient
 from nano_v1.engine.detokenizer import IncrementalDetokenizer
+from nano_v1.engine.output_processor import OutputProcessor
+from nano_v1.sampling_params import RequestOutputKind
 from nano_v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from nano_v1.utils import get_mp_context
 
 pytestmark = pytest.mark.ch09
 
@@ -297,3 +304,133 @@ def test_a_failing_utility_call_is_answered_and_the_core_lives_on():
     assert core.output_queue.get_nowait().utility_output == UtilityOutput(3, result=2), (
         "after failed calls the core must go on answering"
     )
+@pytest.mark.parametrize("stop_len", range(1, 13))
+def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop_len):
+    """The held-back tail (a stop string may have begun there) never sends a character twice.
+
+    Regression: with a stop string of 5+ characters, the held-back slice went negative
+    while the text was short, the sent offset moved backwards, and characters repeated.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_PATH)
+    token_ids = tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else 1", add_special_tokens=False)
+    params = SamplingParams(stop=["§" * stop_len], output_kind=RequestOutputKind.DELTA)  # never matches
+    processor = OutputProcessor(tokenizer)
+    request = EngineCoreRequest("r", [5, 6], params, eos_token_id=None, arrival_time=0.0)
+    processor.add_request("r", None, [request])
+    streamed = ""
+    for i, token_id in enumerate(token_ids):
+        finish_reason = "length" if i == len(token_ids) - 1 else None
+        outputs = processor.process_outputs([EngineCoreOutput("r", [token_id], finish_reason=finish_reason)])
+        (output,) = outputs.request_outputs
+        streamed += output.outputs[0].text
+    assert streamed == tokenizer.decode(token_ids)
+
+
+def test_a_burst_of_3000_requests_all_finish(llms, monkeypatch):
+    """Regression: libzmq's default queue limit (1,000 messages) made the ROUTER drop requests silently.
+
+    The engine core is stopped (SIGSTOP) while the 3,000 requests are sent, so they all wait in
+    the sockets' queues, as they do when a burst (or one request with a large `n`) arrives faster
+    than the core reads; it continues once the last one is sent.
+    """
+    _, multiproc = llms
+    pid = multiproc.llm_engine.engine_core.resources.proc.pid
+    run_engine = multiproc._run_engine
+
+    def continue_then_run(*args, **kwargs):
+        os.kill(pid, signal.SIGCONT)
+        return run_engine(*args, **kwargs)
+
+    monkeypatch.setattr(multiproc, "_run_engine", continue_then_run)
+    # A lost request would leave generate() waiting forever: after 60 s, end it with an error.
+    guard = threading.Timer(60, os.kill, args=(pid, signal.SIGKILL))
+    os.kill(pid, signal.SIGSTOP)
+    guard.start()
+    try:
+        outputs = multiproc.generate(
+            [{"prompt_token_ids": [5 + i % 50]} for i in range(3000)],
+            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        guard.cancel()
+    assert len(outputs) == 3000 and all(len(o.outputs[0].token_ids) == 1 for o in outputs)
+
+
+def test_utility_call_times_out_instead_of_hanging(llms, monkeypatch):
+    """A stopped engine core: the utility call fails after VLLM_RPC_TIMEOUT, and later calls still work."""
+    _, multiproc = llms
+    engine_core = multiproc.llm_engine.engine_core
+    monkeypatch.setenv("VLLM_RPC_TIMEOUT", "1000")
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            engine_core.call_utility("get_num_unfinished_requests")
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            raised.append(e)
+
+    os.kill(engine_core.resources.proc.pid, signal.SIGSTOP)
+    try:
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(timeout=15)  # without a timeout the call would wait forever
+        assert not caller.is_alive(), "the utility call is still waiting"
+    finally:
+        os.kill(engine_core.resources.proc.pid, signal.SIGCONT)
+    assert len(raised) == 1 and isinstance(raised[0], TimeoutError), raised
+    assert "get_num_unfinished_requests" in str(raised[0])
+    # The late answer to the abandoned call is dropped; the next call gets its own.
+    monkeypatch.setenv("VLLM_RPC_TIMEOUT", "60000")
+    assert engine_core.call_utility("get_kv_cache_usage") == 0.0
+
+
+README_EXAMPLE = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_first_example() -> str:
+    """README's first Python example, with fewer tokens to keep the test short."""
+    text = README_EXAMPLE.read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "LLM()" in code and "__main__" not in code
+    return code.replace("max_tokens=64", "max_tokens=4")
+
+
+@pytest.mark.parametrize("method", [None, "spawn"], ids=["default", "spawn"])
+def test_readme_example_runs_as_a_plain_script(tmp_path, method):
+    """No `if __name__ == "__main__":` guard, as most vLLM users write it: it must simply work.
+
+    Regression: the forkserver child re-ran the script, built a second engine inside the
+    child, died, and the parent failed with EOFError.
+    """
+    script = tmp_path / "example.py"
+    script.write_text(readme_first_example())
+    # The script's own defaults: the engine core in a process of its own, started the default way.
+    defaults = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
+    env = {k: v for k, v in os.environ.items() if k not in defaults}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(README_EXAMPLE.parent), env.get("PYTHONPATH")]))
+    if method is not None:
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = method
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("import os") for line in lines)
+    assert any(line.startswith("class Stack:") for line in lines)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_worker_multiproc_method_is_honoured(monkeypatch, method):
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", method)
+    assert get_mp_context().get_start_method() == method
+
+
+def test_fork_after_cuda_initialised_spawns_instead(monkeypatch):
+    """vLLM's rule: a forked child cannot use the parent's CUDA context, so spawn then."""
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    monkeypatch.setattr("nano_v1.utils.cuda_is_initialized", lambda: True)
+    assert get_mp_context().get_start_method() == "spawn"

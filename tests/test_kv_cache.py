@@ -721,13 +721,14 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
 
 
 def run_to_completion(sched: Scheduler) -> list[PrefixCacheStats | None]:
-    """Step the scheduler (with the fake runner) until it is idle; each step's prefix-cache stats."""
+    """Step the scheduler (with the fake runner) until it is idle; each step's prefix-cache stats
+    (None for a step that admitted nothing)."""
     runner = FakeModelRunner(sched.block_size)
     per_step = []
     while sched.has_unfinished_requests():
         so = sched.schedule()
-        stats = sched.update_from_output(so, runner.execute_model(so)).scheduler_stats
-        per_step.append(None if stats is None else stats.prefix_cache_stats)
+        stats = sched.update_from_output(so, runner.execute_model(so)).scheduler_stats.prefix_cache_stats
+        per_step.append(stats if stats.requests else None)
     return per_step
 
 

@@ -6,16 +6,19 @@ Why a second frontend: `LLMEngine` serves one caller who steps it in a loop. A s
 has many callers arriving at any time, each awaiting its own stream. Here the engine
 core always runs in its own process (`AsyncMPClient`), and one background task, the
 output handler, is the only reader of its outputs: it detokenizes each step's outputs
-(`OutputProcessor`) and puts each request's `RequestOutput` on that request's queue,
-where `generate()` is waiting. Tokenizing new prompts, detokenizing, and the HTTP work
-all run in this process while the core computes the next step.
+(`OutputProcessor`), puts each request's `RequestOutput` on that request's queue, where
+`generate()` is waiting, and hands the step's statistics to the stat loggers.
+Tokenizing new prompts runs in a thread of its own, so that a long prompt never stalls
+the event loop that every stream shares; detokenizing and the HTTP work run in this
+process while the core computes the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from nano_v1.config import VllmConfig
 from nano_v1.engine import EngineDeadError
@@ -24,6 +27,8 @@ from nano_v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from nano_v1.engine.llm_engine import fan_out
 from nano_v1.engine.output_processor import OutputProcessor
 from nano_v1.engine.processor import Processor, PromptType, load_tokenizer
+from nano_v1.metrics.loggers import StatLoggerBase
+from nano_v1.metrics.stats import IterationStats
 from nano_v1.outputs import RequestOutput
 from nano_v1.sampling_params import SamplingParams
 
@@ -33,11 +38,15 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     """Create inside a running event loop (`AsyncLLM.from_engine_args(...)`)."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, stat_loggers: Sequence[StatLoggerBase] = ()) -> None:
         self.vllm_config = vllm_config
         self.tokenizer = load_tokenizer(vllm_config.model_config)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = list(stat_loggers)
+        # One thread: requests are tokenized in arrival order, and a Hugging Face tokenizer is
+        # never entered by two threads at once. The tokenizers library releases the GIL meanwhile.
+        self.tokenizer_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="Tokenizer")
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(
             multiprocess_mode=True, asyncio_mode=True, vllm_config=vllm_config
         )
@@ -47,27 +56,47 @@ class AsyncLLM:
         self.output_handler = asyncio.create_task(self._run_output_handler(), name="AsyncLLMOutputHandler")
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(
+        cls, engine_args: EngineArgs, stat_loggers: Sequence[StatLoggerBase] = ()
+    ) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config(), stat_loggers)
 
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def errored(self) -> bool:
+        """True once the engine core is dead: nothing more can be served (vLLM's name)."""
+        return self.dead_error is not None or self.engine_core.resources.engine_dead
+
+    async def run_in_tokenizer_thread(self, fn, *args):
+        """`fn(*args)` in the tokenizer's thread: tokenizer work off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
+
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams
     ) -> asyncio.Queue[RequestOutput | Exception]:
-        """Validate (raising ValueError), then queue the request in the core; return its output queue."""
-        if self.dead_error is not None:
-            raise self.dead_error
-        if request_id in self.request_queues:
-            raise ValueError(f"request id {request_id!r} is already in use.")
-        prompt_text, request = self.processor.process_inputs(request_id, prompt, params)
+        """Validate (raising ValueError), then queue the request in the core; return its output queue.
+
+        All or nothing: if anything fails once the request is registered (the core died, the
+        caller was cancelled, a message could not be encoded), the registration is undone and
+        whatever reached the core is aborted, so a failed request leaves no state anywhere.
+        """
+        if self.errored:
+            raise self.dead_error or EngineDeadError()
+        prompt_text, request = await self.run_in_tokenizer_thread(
+            self.processor.process_inputs, request_id, prompt, params
+        )
         requests = fan_out(request)
+        self.output_processor.add_request(request_id, prompt_text, requests)  # ValueError for a duplicate id
         request_queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.request_queues[request_id] = request_queue
-        self.output_processor.add_request(request_id, prompt_text, requests)
-        for child in requests:
-            await self.engine_core.add_request_async(child)
+        try:
+            for child in requests:
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            await self.abort(request_id)
+            raise
         return request_queue
 
     async def generate(
@@ -97,11 +126,15 @@ class AsyncLLM:
         await self.engine_core.abort_requests_async(self.output_processor.abort_requests([request_id]))
 
     async def _run_output_handler(self) -> None:
-        """The one reader of the core's outputs: detokenize, route to queues, abort stop-string hits."""
+        """The one reader of the core's outputs: detokenize, count, route, abort stop-string hits."""
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                iteration_stats = IterationStats() if self.stat_loggers else None
+                processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)
+                # Counted before anyone is woken: a response never gets ahead of its own metrics.
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
                 for output in processed.request_outputs:
                     request_queue = self.request_queues.get(output.request_id)
                     if request_queue is not None:
@@ -117,6 +150,14 @@ class AsyncLLM:
                 request_queue.put_nowait(self.dead_error)
             self.request_queues.clear()
 
+    def get_num_unfinished_requests(self) -> int:
+        """User requests the frontend still holds state for (queues, detokenizers); 0 when idle."""
+        return len(self.request_queues.keys() | self.output_processor.parent_requests.keys())
+
+    def do_log_stats(self) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.log()
+
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine core is gone."""
         if self.dead_error is not None:
@@ -125,4 +166,5 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.output_handler.cancel()
+        self.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()

@@ -38,7 +38,7 @@ from nano_v1.engine import (
 )
 from nano_v1.executor import Executor
 from nano_v1.request import Request, RequestStatus
-from nano_v1.utils import exit_when_parent_dies
+from nano_v1.utils import exit_when_parent_dies, make_zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +264,10 @@ class EngineCoreProc(EngineCore):
             self.add_request(request)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(request)
+            if not self.scheduler.has_unfinished_requests():
+                # No step follows to report the emptied batch and the freed blocks: say it now,
+                # or the frontend's gauges (running requests, KV usage) would stay at their last value.
+                self.output_queue.put_nowait(EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats()))
         elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
             raise EngineDeadError("the executor failed: a worker process died (see its log above)")
         else:
@@ -288,8 +292,7 @@ class EngineCoreProc(EngineCore):
 
         add_request_decoder = MsgpackDecoder(EngineCoreRequest)
         generic_decoder = MsgpackDecoder()
-        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as socket:
-            socket.connect(input_address)
+        with zmq.Context() as ctx, make_zmq_socket(ctx, input_address, zmq.DEALER, bind=False) as socket:
             # A ROUTER can only send to a peer it has heard from: say hello first.
             socket.send(b"")
             ready.set()
@@ -307,9 +310,7 @@ class EngineCoreProc(EngineCore):
 
         encoder = MsgpackEncoder()
         # linger: on exit, wait up to 4 s for ENGINE_CORE_DEAD to leave.
-        with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as socket:
-            socket.setsockopt(zmq.LINGER, 4000)
-            socket.connect(output_address)
+        with zmq.Context() as ctx, make_zmq_socket(ctx, output_address, zmq.PUSH, False, 4000) as socket:
             while True:
                 outputs = self.output_queue.get()
                 if outputs == EngineCoreProc.ENGINE_CORE_DEAD:

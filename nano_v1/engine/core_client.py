@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import concurrent.futures
 import multiprocessing
 import multiprocessing.connection
 import queue
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from nano_v1 import envs
 from nano_v1.config import VllmConfig
 from nano_v1.engine import (
     EngineCoreOutputs,
@@ -47,7 +49,7 @@ from nano_v1.engine import (
     UtilityOutput,
 )
 from nano_v1.engine.core import EngineCore, EngineCoreProc
-from nano_v1.utils import get_mp_context, start_process
+from nano_v1.utils import get_mp_context, make_zmq_socket, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +166,8 @@ class MPClient(EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.resources)
         # IPC sockets are files: nothing leaves this machine, and no port can collide.
         input_address, output_address = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
-        self.input_socket = self.ctx.socket(zmq.ROUTER)
-        self.input_socket.bind(input_address)
-        self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(output_address)
+        self.input_socket = make_zmq_socket(self.ctx, input_address, zmq.ROUTER, bind=True)
+        self.output_socket = make_zmq_socket(self.ctx, output_address, zmq.PULL, bind=True)
         self.resources.sockets += [self.input_socket, self.output_socket]
         self.utility_results: dict[int, Any] = {}  # call id -> future
         try:
@@ -203,10 +203,14 @@ class MPClient(EngineCoreClient):
         start_process(proc)
         child_conn.close()
         self.resources.proc, self.resources.parent_conn = proc, parent_conn
+        logger.info("EngineCore process started (%s, pid %d)", ctx.get_start_method(), proc.pid)
         # Wait for the handshake, or for the process to die before it could send one.
         multiprocessing.connection.wait([parent_conn, proc.sentinel])
         if not parent_conn.poll():
-            raise RuntimeError(f"the engine core process exited during startup (exit code {proc.exitcode}).")
+            raise RuntimeError(
+                f"the engine core process exited during startup (exit code {proc.exitcode}) before it could "
+                "report why; its own error, if it printed one, is above."
+            )
         status, payload = parent_conn.recv()
         if status == "FAILED":
             raise payload
@@ -256,11 +260,20 @@ def _route_output(
     if utility is None:
         outputs_queue.put_nowait(outputs)
         return
-    future = utility_results.pop(utility.call_id)
+    future = utility_results.pop(utility.call_id, None)
+    if future is None or future.done():
+        return  # the caller gave up waiting (VLLM_RPC_TIMEOUT); nobody wants the answer now
     if utility.failure_message is not None:
         future.set_exception(RuntimeError(utility.failure_message))
     else:
         future.set_result(utility.result)
+
+
+def _utility_timeout(method: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(
+        f"the engine core did not answer {method}() within {timeout_s:g} s (VLLM_RPC_TIMEOUT, in ms); "
+        "it may be stuck in a step or stopped"
+    )
 
 
 class SyncMPClient(MPClient):
@@ -320,7 +333,12 @@ class SyncMPClient(MPClient):
         self.input_socket.send_multipart(
             self._encode_input(EngineCoreRequestType.UTILITY, (call_id, method, args))
         )
-        return future.result()
+        timeout_s = envs.rpc_timeout_s()
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.utility_results.pop(call_id, None)
+            raise _utility_timeout(method, timeout_s) from None
 
 
 class AsyncMPClient(MPClient):
@@ -385,7 +403,12 @@ class AsyncMPClient(MPClient):
         await self.input_socket.send_multipart(
             self._encode_input(EngineCoreRequestType.UTILITY, (call_id, method, args))
         )
-        return await future
+        timeout_s = envs.rpc_timeout_s()
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            self.utility_results.pop(call_id, None)
+            raise _utility_timeout(method, timeout_s) from None
 
     def shutdown(self) -> None:
         self.output_task.cancel()

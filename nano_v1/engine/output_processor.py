@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from nano_v1.engine import EngineCoreOutput, EngineCoreRequest
 from nano_v1.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from nano_v1.metrics.stats import IterationStats, RequestStateStats
 from nano_v1.outputs import CompletionOutput, RequestOutput
 from nano_v1.sampling_params import RequestOutputKind
 
@@ -32,7 +33,8 @@ class ParentRequest:
     output_kind: RequestOutputKind
     completions: list[CompletionOutput | None]
     num_cached_tokens: int = 0
-    # Per completion, (tokens, characters) already sent: what DELTA outputs skip.
+    # Per completion, (tokens, characters) already sent: what DELTA outputs skip. Both only
+    # grow: what was sent cannot be taken back.
     num_sent: list[tuple[int, int]] = field(default_factory=list)
 
     def finished(self) -> bool:
@@ -52,8 +54,15 @@ class RequestState:
     # Characters held back from a running request's output: a stop string may have begun
     # there, and text once streamed cannot be taken back when it completes next step.
     stop_buffer_length: int
+    stats: RequestStateStats
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+
+    def visible_text(self, text: str, finished: bool) -> str:
+        """`text` less the held-back tail of a running request; it only grows as `text` does."""
+        if finished or not self.stop_buffer_length:
+            return text
+        return text[: max(len(text) - self.stop_buffer_length, 0)]
 
 
 @dataclass
@@ -103,6 +112,7 @@ class OutputProcessor:
                 stop_buffer_length=(
                     max(map(len, params.stop)) - 1 if params.stop and not params.include_stop_str_in_output else 0
                 ),
+                stats=RequestStateStats(arrival_time=request.arrival_time),
                 logprobs=[] if params.logprobs is not None else None,
             )
 
@@ -119,7 +129,10 @@ class OutputProcessor:
             child_ids.extend(ids)
         return child_ids
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(
+        self, engine_core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
+    ) -> OutputProcessorOutput:
+        """Detokenize one step's outputs into `RequestOutput`s; count them in `iteration_stats` if given."""
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         touched: dict[str, ParentRequest] = {}
@@ -128,6 +141,10 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted by the user meanwhile
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if iteration_stats is not None:
+                iteration_stats.update_from_output(
+                    len(out.new_token_ids), len(state.parent.prompt_token_ids), state.stats
+                )
             state.token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and out.new_logprobs:
                 state.logprobs.extend(out.new_logprobs)
@@ -141,8 +158,7 @@ class OutputProcessor:
                     finish_reason, stop_reason = "stop", stop_str
                     if not out.finished:
                         reqs_to_abort.append(out.request_id)
-            if finish_reason is None and state.stop_buffer_length:
-                text = text[: len(text) - state.stop_buffer_length]
+            text = state.visible_text(text, finished=finish_reason is not None)
             parent = state.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             parent.completions[state.index] = CompletionOutput(

@@ -27,6 +27,9 @@ from nano_v1.sampling_params import SamplingParams
 # multimodal model, "multi_modal_data", as in vLLM.
 PromptType = str | dict[str, Any]
 
+# The most top logprobs a request may ask for per token: vLLM's default `ModelConfig.max_logprobs`.
+MAX_LOGPROBS = 20
+
 
 def load_tokenizer(model_config: ModelConfig):
     """The checkpoint's Hugging Face tokenizer, or None if the directory has none."""
@@ -38,6 +41,20 @@ def load_tokenizer(model_config: ModelConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The longest text that could still fit in `max_model_len` tokens: longer is rejected untokenized.
+
+    Every token stands for at most `longest` characters of the text it was cut from: its
+    vocabulary string spells it with one character per byte (byte-level BPE) or per
+    character (SentencePiece), and a character is at least one byte. Normalizers can
+    shorten a text before it is cut, but only by composing characters (NFC, NFKC: at most
+    4 code points into one), hence the factor 4. So a longer text has more than
+    `max_model_len` tokens, and tokenizing it (seconds, for megabytes) would be wasted.
+    """
+    longest = max(map(len, tokenizer.get_vocab()))
+    return 4 * longest * max_model_len
 
 
 def _generation_eos_ids(model_config: ModelConfig) -> set[int]:
@@ -63,6 +80,8 @@ class Processor:
             self.eos_token_id = tokenizer.eos_token_id
         else:
             self.eos_token_id = min(self.generation_eos_ids) if self.generation_eos_ids else None
+        max_model_len = model_config.max_model_len
+        self.max_prompt_chars = None if tokenizer is None else max_prompt_chars(tokenizer, max_model_len)
         # Multimodal models only: the model's processor, and the largest image the engine
         # core could ever schedule (its encoder budget and cache, in image tokens).
         self.mm_processor = None
@@ -90,7 +109,24 @@ class Processor:
             raise ValueError(
                 f"model {self.model_config.model!r} has no tokenizer; pass {{'prompt_token_ids': [...]}} instead of text."
             )
+        self._validate_text(prompt)
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+
+    def _validate_text(self, text: str) -> None:
+        """Reject text that cannot be tokenized, or that is certain not to fit, before tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {len(text)} characters, more than can fit in max_model_len="
+                f"{self.model_config.max_model_len} tokens with this tokenizer "
+                f"(at most {self.max_prompt_chars} characters)."
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. "\ud800" in JSON
+            raise ValueError(
+                f"the prompt is not valid Unicode text: {text[e.start : e.end]!r} at character {e.start} "
+                "is half of a UTF-16 surrogate pair."
+            ) from None
 
     def process_inputs(
         self,
@@ -102,6 +138,11 @@ class Processor:
     ) -> tuple[str | None, EngineCoreRequest]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(
+                f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}."
+            )
         prompt_text, token_ids = self.tokenize(prompt)
         token_ids, mm_features = self._process_multimodal(prompt, token_ids)
         self._validate_prompt(token_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import sys
 
 from nano_v1.engine.arg_utils import EngineArgs
@@ -33,12 +34,38 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from nano_v1.entrypoints.openai.api_server import run_server
+    """Serve until SIGINT/SIGTERM (exit 0, open requests finished) or the engine core's death (exit 1)."""
+    from nano_v1.engine import EngineDeadError
+    from nano_v1.entrypoints.openai.api_server import install_signal_handlers, run_server
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    engine_args = EngineArgs.from_cli_args(args)
-    asyncio.run(run_server(engine_args, args.host, args.port, args.served_model_name))
+    _log_to_stderr()
+    install_signal_handlers()
+    try:
+        asyncio.run(run_server(args))
+    except KeyboardInterrupt:
+        print("nano-v1 serve: stopped.", file=sys.stderr)
+    except EngineDeadError as e:
+        print(f"nano-v1: error: {e}. The server stopped, for a supervisor to restart it.", file=sys.stderr)
+        sys.exit(1)
+
+
+def _log_to_stderr() -> None:
+    """nano_v1's INFO messages (the periodic stats line among them) on stderr, in vLLM's format."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                           datefmt="%m-%d %H:%M:%S"))
+    nano_logger = logging.getLogger("nano_v1")
+    nano_logger.addHandler(handler)
+    nano_logger.setLevel(logging.INFO)
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,8 +86,14 @@ def main(argv: list[str] | None = None) -> None:
     server = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the bundled demo model)")
     server.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
     server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
+    server.add_argument("--port", type=_port, default=8000)
+    server.add_argument("--served-model-name", default=None,
+                        help="the name clients pass as `model` (default: the model as given, or 'demo')")
+    server.add_argument("--api-key", nargs="+", default=None,
+                        help="require 'Authorization: Bearer <one of these>' on /v1 (default: VLLM_API_KEY)")
+    server.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
+    server.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="requests with a larger body get a 413 (default: 32 MiB)")
     EngineArgs.add_cli_args(server)
     server.set_defaults(func=_serve)
 

@@ -480,13 +480,17 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in gone]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_decoding_stats))
 
-    def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats | None:
-        """This step's statistics: the prefix-cache lookups of the requests it admitted, and
-        its drafts. None when there is nothing to count (vLLM sends them every step)."""
-        prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        if not prefix_cache_stats.requests and spec_decoding_stats is None:
-            return None
-        return SchedulerStats(prefix_cache_stats=prefix_cache_stats, spec_decoding_stats=spec_decoding_stats)
+    def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats:
+        """This step's statistics, sent every step as in vLLM: the queues and KV cache usage
+        as the step leaves them, the prefix-cache lookups of the requests it admitted, and
+        its drafts."""
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            spec_decoding_stats=spec_decoding_stats,
+        )
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Store the proposer's drafts on their requests; the next schedule() schedules them.

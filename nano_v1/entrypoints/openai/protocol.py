@@ -6,22 +6,37 @@ Why pydantic: FastAPI checks every request body against these models before our 
 runs, so a wrong type or a missing field becomes a 400 naming the field. The range
 checks (max_tokens >= 1, top_p in (0, 1], ...) stay in `SamplingParams`, the one place
 that validates them for `LLM` too; `to_sampling_params` hands the values over.
+
+A request never silently gets less than it asked for: a field we do not implement is a
+400 naming it, as OpenAI answers an unknown parameter and vLLM an unsupported one. The
+OpenAI fields clients often send with their no-op value (`presence_penalty: 0`, `echo:
+false`) are declared, and accepted only with that value.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nano_v1.sampling_params import RequestOutputKind, SamplingParams
 
+# The most completions one request may ask for: OpenAI's limit for chat completions. Each is a
+# request of its own in the engine core.
+MAX_N = 128
+
 
 class OpenAIBaseModel(BaseModel):
-    # Clients send fields we don't implement (user, presence_penalty, ...): accept and ignore them, as vLLM does.
+    # Responses, and objects nested in requests (messages, stream options), keep extra fields.
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body: an unknown field is an error (a 400 naming it), not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -58,7 +73,21 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingRequest(OpenAIBaseModel):
+def _reject_unless(no_op_values: tuple[Any, ...]):
+    """A validator for an OpenAI field nano_v1 does not implement: only its no-op values pass."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value not in no_op_values:
+            allowed = " or ".join(repr(v) for v in no_op_values)
+            raise ValueError(
+                f"{info.field_name} is not supported by nano_v1: leave it out (or set it to {allowed})."
+            )
+        return value
+
+    return check
+
+
+class SamplingRequest(OpenAIRequestModel):
     """The fields completions and chat share (OpenAI's, plus vLLM's top_k, min_tokens, ignore_eos)."""
 
     model: str | None = None
@@ -66,13 +95,26 @@ class SamplingRequest(OpenAIBaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    n: int = 1
+    n: int = Field(1, le=MAX_N)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    # Accepted with any value: OpenAI uses it to monitor abuse; it has no effect on output.
+    user: str | None = None
+    # Not implemented: accepted only at their no-op values.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    _check_penalties = field_validator("frequency_penalty", "presence_penalty")(_reject_unless((0.0,)))
+    _check_logit_bias = field_validator("logit_bias")(_reject_unless((None, {})))
+
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token (0: the sampled token's only), or None for no logprobs."""
+        raise NotImplementedError
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raise ValueError (an HTTP 400) if a value is out of range."""
@@ -86,6 +128,7 @@ class SamplingRequest(OpenAIBaseModel):
             min_tokens=self.min_tokens,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -93,6 +136,18 @@ class SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # the top `logprobs` tokens per position, and the sampled one
+    # Not implemented: accepted only at their no-op values.
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _check_echo = field_validator("echo")(_reject_unless((False,)))
+    _check_best_of = field_validator("best_of")(_reject_unless((None, 1)))
+    _check_suffix = field_validator("suffix")(_reject_unless((None,)))
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ImageURL(OpenAIBaseModel):
@@ -120,13 +175,52 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool = False  # the sampled token's logprob, per position
+    top_logprobs: int | None = None  # and the top ones (needs logprobs: true)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true.")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return super().to_sampling_params(default_max_tokens)
+
+
+class TokenizeCompletionRequest(OpenAIRequestModel):
+    """`/tokenize` of a prompt: the token ids the engine would run it as."""
+
+    model: str | None = None
+    prompt: str
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIRequestModel):
+    """`/tokenize` of messages, through the chat template as `/v1/chat/completions` renders them."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIRequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
 
 
 def random_id(prefix: str) -> str:
@@ -137,7 +231,6 @@ class ChoiceBase(OpenAIBaseModel):
     """What every completion choice has, whole or streamed."""
 
     index: int
-    logprobs: None = None
     finish_reason: str | None = None
 
 
@@ -150,8 +243,19 @@ class ResponseBase(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    """Legacy completions' logprobs: per token its text, its offset in the choice's text, its
+    logprob, and the top tokens' logprobs by their text (the sampled one included)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class CompletionResponseChoice(ChoiceBase):
     text: str
+    logprobs: CompletionLogProbs | None = None
     stop_reason: int | str | None = None
 
 
@@ -165,8 +269,25 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: str | None = None
 
 
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    """One generated token: its logprob, and the `top_logprobs` most likely tokens at its position."""
+
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class ChatCompletionResponseChoice(ChoiceBase):
     message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
 
 
 class ChatCompletionResponse(ResponseBase):
@@ -178,6 +299,7 @@ class ChatCompletionResponseStreamChoice(ChoiceBase):
     """A streamed chunk's choice: the new piece of the message (`delta`), not the whole of it."""
 
     delta: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
 
 
 class ChatCompletionStreamResponse(ResponseBase):
