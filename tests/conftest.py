@@ -31,18 +31,32 @@ TINY_SHAPES = dict(
 )
 
 
+# Gemma 3's pattern at tiny size (chapter 12): 3 sliding-window layers and 2 full-attention
+# ones, which group as (sw.0, sw.3), (sw.1, padding), (full.2, full.4); a window shorter
+# than the prompts and outputs the tests use.
+TINY_GEMMA3 = dict(
+    head_dim=32,
+    num_hidden_layers=5,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=24,
+)
+
+
 def make_tiny_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> str:
-    """Write a random tiny `arch` checkpoint (qwen3 | qwen2 | llama) to `path`; return it."""
+    """Write a random tiny `arch` checkpoint (qwen3 | qwen2 | llama | gemma3) to `path`; return it."""
     import transformers
 
     cfg_cls, model_cls = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     kwargs = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    if arch == "gemma3":
+        kwargs.update(TINY_GEMMA3)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).to(torch.float32).eval()

@@ -14,6 +14,7 @@ import functools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_cache_configs import full_attention_kv_cache_config
 
 from nano_v1.core.block_pool import BlockPool
 from nano_v1.core.kv_cache_manager import KVCacheManager
@@ -22,6 +23,7 @@ from nano_v1.core.kv_cache_utils import (
     KVCacheBlock,
     get_request_block_hasher,
     hash_block_tokens,
+    make_block_hash_with_group_id,
 )
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
@@ -41,6 +43,27 @@ def make_request(request_id: str, prompt: list[int], block_size: int = BLOCK_SIZ
 
 def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
     return [block.block_id for block in queue.get_all_free_blocks()]
+
+
+def make_manager(num_gpu_blocks: int, max_model_len: int, enable_caching: bool = True) -> KVCacheManager:
+    """A manager of one full-attention KV cache group, the case of chapters 02 and 03."""
+    return KVCacheManager(full_attention_kv_cache_config(num_gpu_blocks, BLOCK_SIZE), max_model_len, enable_caching)
+
+
+def group_blocks(manager: KVCacheManager) -> dict[str, list[KVCacheBlock]]:
+    """The one group's {request id: block list}."""
+    return manager.coordinator.single_type_managers[0].req_to_blocks
+
+
+def block_ids(manager: KVCacheManager, request_id: str) -> list[int]:
+    (ids,) = manager.get_block_ids(request_id)
+    return ids
+
+
+def ids_of(blocks) -> list[int]:
+    """The block ids of a one-group `KVCacheBlocks`."""
+    (ids,) = blocks.get_block_ids()
+    return ids
 
 
 # ----------------------------------------------------------------------------- ch02: free queue
@@ -119,15 +142,15 @@ def test_null_block_is_never_handed_out():
 @pytest.mark.ch02_t2
 @pytest.mark.ch02
 def test_allocate_slots_rounds_up_and_caps_at_max_model_len():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=20, max_model_len=10, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
     request = make_request("r", list(range(5)))
     new_blocks = manager.allocate_slots(request, 5)
-    assert len(new_blocks) == 2  # ceil(5 / 4)
+    assert len(ids_of(new_blocks)) == 2  # ceil(5 / 4)
     request.num_computed_tokens = 5
     # 5 + 1 + 7 lookahead = 13 slots (4 blocks), but no position past max_model_len = 10
     # exists: 3 blocks.
-    assert len(manager.allocate_slots(request, 1, num_lookahead_tokens=7)) == 1
-    assert len(manager.get_block_ids("r")) == 3
+    assert len(ids_of(manager.allocate_slots(request, 1, num_lookahead_tokens=7))) == 1
+    assert len(block_ids(manager, "r")) == 3
     with pytest.raises(ValueError):
         manager.allocate_slots(request, 0)
 
@@ -135,12 +158,12 @@ def test_allocate_slots_rounds_up_and_caps_at_max_model_len():
 @pytest.mark.ch02_t2
 @pytest.mark.ch02
 def test_allocate_slots_is_all_or_nothing():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=4, max_model_len=100, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)
     big = make_request("big", list(range(8)))
     assert manager.allocate_slots(big, 8) is not None  # 2 of the 3 usable blocks
     greedy = make_request("greedy", list(range(8)))
     assert manager.allocate_slots(greedy, 8) is None  # needs 2, 1 is free
-    assert manager.get_block_ids("greedy") == [] and "greedy" not in manager.req_to_blocks
+    assert block_ids(manager, "greedy") == [] and "greedy" not in group_blocks(manager)
     assert manager.block_pool.get_num_free_blocks() == 1
     manager.free(big)
     assert manager.allocate_slots(greedy, 8) is not None
@@ -217,8 +240,8 @@ def snapshot(manager: KVCacheManager):
     return (
         queue_ids(pool.free_block_queue),
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-        {rid: manager.get_block_ids(rid) for rid in manager.req_to_blocks},
-        dict(manager.num_cached_block),
+        {rid: block_ids(manager, rid) for rid in group_blocks(manager)},
+        dict(manager.coordinator.single_type_managers[0].num_cached_block),
         {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()},
     )
 
@@ -226,7 +249,7 @@ def snapshot(manager: KVCacheManager):
 def check_invariants(manager: KVCacheManager, model: ReferenceCache, live: dict[str, Request]) -> None:
     pool = manager.block_pool
     assert queue_ids(pool.free_block_queue) == model.free_order
-    assert {rid: manager.get_block_ids(rid) for rid in live} == model.req_blocks
+    assert {rid: block_ids(manager, rid) for rid in live} == model.req_blocks
     holders: dict[int, list[tuple[str, int]]] = {}
     for rid, ids in model.req_blocks.items():
         for pos, b in enumerate(ids):
@@ -245,7 +268,7 @@ def check_invariants(manager: KVCacheManager, model: ReferenceCache, live: dict[
             assert len(prefixes) == 1 and len({pos for _, pos in owners}) == 1
         assert (block.block_hash is not None) == (model.content[block.block_id] is not None)
         if block.block_hash is not None:
-            assert block.block_hash == expected_hash(model.content[block.block_id])
+            assert block.block_hash == make_block_hash_with_group_id(expected_hash(model.content[block.block_id]), 0)
             assert pool.cached_block_hash_to_block[block.block_hash][block.block_id] is block
     assert sum(len(d) for d in pool.cached_block_hash_to_block.values()) == sum(
         c is not None for c in model.content
@@ -273,7 +296,7 @@ def draw_prompt(data) -> list[int]:
 
 
 def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_model_len: int = 40) -> None:
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks, max_model_len, enable_caching)
+    manager = make_manager(num_gpu_blocks, max_model_len, enable_caching)
     model = ReferenceCache(num_gpu_blocks, enable_caching)
     live: dict[str, Request] = {}
     next_id = 0
@@ -284,9 +307,9 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
             next_id += 1
             hits, num_hit_tokens = manager.get_computed_blocks(request)
             num_hit_blocks = model.longest_hit(request.all_token_ids)
-            assert num_hit_tokens == num_hit_blocks * BLOCK_SIZE == len(hits) * BLOCK_SIZE
+            assert num_hit_tokens == num_hit_blocks * BLOCK_SIZE == len(ids_of(hits)) * BLOCK_SIZE
             assert num_hit_tokens < request.num_tokens  # the last token is always recomputed
-            for i, block in enumerate(hits):
+            for i, block in enumerate(hits.blocks[0]):
                 assert model.content[block.block_id] == tuple(request.all_token_ids[: (i + 1) * BLOCK_SIZE])
             remaining = request.num_tokens - num_hit_tokens
             num_new = data.draw(st.integers(1, remaining))  # a chunked prefill
@@ -298,14 +321,14 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 request.all_token_ids,
                 0,
                 num_new,
-                [b.block_id for b in hits],
+                ids_of(hits),
                 num_lookahead,
                 max_model_len,
             )
             if expected is None:
                 assert fresh is None and snapshot(manager) == before
                 continue
-            assert [b.block_id for b in fresh] == expected
+            assert ids_of(fresh) == expected
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens + num_new
             live[request.request_id] = request
@@ -335,7 +358,7 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 model.free(request.request_id)
                 del live[request.request_id]
             else:
-                assert [b.block_id for b in fresh] == expected
+                assert ids_of(fresh) == expected
                 request.num_computed_tokens += num_new
         elif op == "free" and live:
             request = live.pop(data.draw(st.sampled_from(sorted(live))))
@@ -353,14 +376,14 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 model.req_blocks[request.request_id][expected_common] in held_by_all
             ):
                 expected_common += 1
-            assert manager.get_num_common_prefix_blocks(request, len(live)) == expected_common
+            assert manager.get_num_common_prefix_blocks(request, len(live)) == [expected_common]
         check_invariants(manager, model, live)
 
     for request in live.values():
         manager.free(request)
     pool = manager.block_pool
     assert pool.get_num_free_blocks() == num_gpu_blocks - 1
-    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not manager.req_to_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not group_blocks(manager)
     assert manager.reset_prefix_cache() and not pool.cached_block_hash_to_block
 
 
@@ -401,14 +424,15 @@ def test_block_hashes_are_chained_and_only_for_full_blocks():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_fully_cached_prompt_recomputes_its_last_block():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     first = make_request("a", list(range(8)))
-    assert manager.get_computed_blocks(first) == ([], 0)
+    hits, num_hit_tokens = manager.get_computed_blocks(first)
+    assert ids_of(hits) == [] and num_hit_tokens == 0
     manager.allocate_slots(first, 8)
     manager.free(first)
     again = make_request("b", list(range(8)))
     hits, num_hit_tokens = manager.get_computed_blocks(again)
-    assert num_hit_tokens == 4 and [b.block_id for b in hits] == [1]
+    assert num_hit_tokens == 4 and ids_of(hits) == [1]
     longer = make_request("c", list(range(9)))
     assert manager.get_computed_blocks(longer)[1] == 8
     stats = manager.make_prefix_cache_stats()
@@ -423,13 +447,13 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
     # 3 usable blocks. A caches all 3 and finishes; B hits all 3 (still free, ref 0)
     # and needs a 4th. Counting only the 4th as "new" would say yes, then touching
     # the hits would leave nothing to allocate it from.
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=4, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=4, max_model_len=100)
     a = make_request("a", list(range(12)))
     manager.allocate_slots(a, 12)
     manager.free(a)
     b = make_request("b", list(range(16)))
     hits, num_hit_tokens = manager.get_computed_blocks(b)
-    assert num_hit_tokens == 12 and all(block.ref_cnt == 0 for block in hits)
+    assert num_hit_tokens == 12 and all(block.ref_cnt == 0 for block in hits.blocks[0])
     before = snapshot(manager)
     assert manager.allocate_slots(b, 4, num_hit_tokens, hits) is None
     assert snapshot(manager) == before
@@ -438,7 +462,7 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_eviction_is_lru_and_tail_first():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=7, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=7, max_model_len=100)
     pool = manager.block_pool
     a = make_request("a", [1] * 8 + [0])  # blocks 1, 2 full; block 3 partial
     b = make_request("b", [2] * 8 + [0])  # blocks 4, 5 full; block 6 partial
@@ -450,23 +474,24 @@ def test_eviction_is_lru_and_tail_first():
     assert queue_ids(pool.free_block_queue) == [3, 2, 1, 6, 5, 4]
     filler = make_request("f", [3] * 5)
     manager.allocate_slots(filler, 5)  # takes blocks 3 and 2: a's partial and a's tail
-    assert manager.get_block_ids("f") == [3, 2]
+    assert block_ids(manager, "f") == [3, 2]
     assert manager.get_computed_blocks(make_request("a2", [1] * 8 + [0]))[1] == 4  # head survives
     assert manager.get_computed_blocks(make_request("b2", [2] * 8 + [0]))[1] == 8  # b untouched
     # A hit rescues a free block from eviction: touch moves it out of the queue.
     b3 = make_request("b3", [2] * 8 + [5])
     hits, num_hit_tokens = manager.get_computed_blocks(b3)
     manager.allocate_slots(b3, 1, num_hit_tokens, hits)
-    assert [blk.block_id for blk in hits] == [4, 5] and 4 not in queue_ids(pool.free_block_queue)
+    assert ids_of(hits) == [4, 5] and 4 not in queue_ids(pool.free_block_queue)
 
 
 @pytest.mark.ch03
 def test_caching_disabled_never_hits_or_hashes():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100, enable_caching=False)
     a = make_request("a", list(range(9)))
     manager.allocate_slots(a, 9)
     manager.free(a)
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(9))))
+    assert ids_of(hits) == [] and num_hit_tokens == 0
     assert not manager.block_pool.cached_block_hash_to_block
     assert all(block.block_hash is None for block in manager.block_pool.blocks)
 
@@ -474,12 +499,12 @@ def test_caching_disabled_never_hits_or_hashes():
 @pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_lookahead_slots_are_not_cached():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     a = make_request("a", list(range(6)))
     manager.allocate_slots(a, 6, num_lookahead_tokens=6)  # 12 slots -> 3 blocks
-    assert len(manager.get_block_ids("a")) == 3
-    assert manager.num_cached_block["a"] == 1  # only tokens 0..3 form a full, final block
-    assert [b.block_hash is not None for b in manager.req_to_blocks["a"]] == [True, False, False]
+    assert len(block_ids(manager, "a")) == 3
+    assert manager.coordinator.single_type_managers[0].num_cached_block["a"] == 1  # only tokens 0..3 form a full, final block
+    assert [b.block_hash is not None for b in group_blocks(manager)["a"]] == [True, False, False]
 
 
 @pytest.mark.ch03
@@ -487,7 +512,7 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     # A prefills in two chunks; B, with the same prompt, arrives in between, hits A's
     # first block and computes blocks 1 and 2 itself. A then computes its own copies:
     # two blocks per hash, both in the index, and block tables stay append-only.
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=6, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=6, max_model_len=100)
     pool = manager.block_pool
     prompt = list(range(12))
     a, b = make_request("a", prompt), make_request("b", prompt)
@@ -497,11 +522,11 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     assert num_hit_tokens == 4
     manager.allocate_slots(b, 8, num_hit_tokens, hits)
     manager.allocate_slots(a, 8)
-    assert manager.get_block_ids("a") == [1, 4, 5] and manager.get_block_ids("b") == [1, 2, 3]
+    assert block_ids(manager, "a") == [1, 4, 5] and block_ids(manager, "b") == [1, 2, 3]
     assert {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()} == {
-        a.block_hashes[0]: [1],
-        a.block_hashes[1]: [2, 4],
-        a.block_hashes[2]: [3, 5],
+        make_block_hash_with_group_id(a.block_hashes[0], 0): [1],
+        make_block_hash_with_group_id(a.block_hashes[1], 0): [2, 4],
+        make_block_hash_with_group_id(a.block_hashes[2], 0): [3, 5],
     }
     manager.free(b)
     manager.free(a)
@@ -510,4 +535,4 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     assert manager.get_computed_blocks(longer)[1] == 12
     manager.allocate_slots(make_request("filler", [50] * 8), 8)  # evicts B's copies, 3 and 2
     hits, num_hit_tokens = manager.get_computed_blocks(longer)
-    assert num_hit_tokens == 12 and [block.block_id for block in hits] == [1, 4, 5]
+    assert num_hit_tokens == 12 and ids_of(hits) == [1, 4, 5]

@@ -17,6 +17,7 @@ import types
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_cache_configs import full_attention_kv_cache_config
 
 from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
@@ -66,7 +67,7 @@ class FakeModelRunner:
                 d.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
-            self.block_ids[new.req_id] = list(new.block_ids)
+            (self.block_ids[new.req_id],) = map(list, new.block_ids)  # one KV cache group
             self.num_computed[new.req_id] = new.num_computed_tokens
             self.max_tokens[new.req_id] = len(new.prompt_token_ids) + new.sampling_params.max_tokens
         cached = so.scheduled_cached_reqs
@@ -74,9 +75,9 @@ class FakeModelRunner:
             cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
         ):
             if resumed:
-                self.block_ids[rid] = list(new_blocks)
-            else:
-                self.block_ids[rid].extend(new_blocks)
+                (self.block_ids[rid],) = map(list, new_blocks)
+            elif new_blocks is not None:
+                self.block_ids[rid].extend(new_blocks[0])
                 # Progress must match what the runner itself has computed so far.
                 assert computed == self.num_computed[rid], (rid, computed, self.num_computed[rid])
             self.num_computed[rid] = computed
@@ -131,7 +132,8 @@ class FakeModelRunner:
 
 
 def make_scheduler(
-    num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs", num_spec_tokens=0
+    num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs", num_spec_tokens=0,
+    kv_cache_config=None,
 ):
     config = VllmConfig.__new__(VllmConfig)
     config.cache_config = CacheConfig(
@@ -148,25 +150,29 @@ def make_scheduler(
     config.device_config = DeviceConfig("cpu")
     if num_spec_tokens:
         config.speculative_config = SpeculativeConfig(num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1)
-    return Scheduler(config)
+    # One full-attention KV cache group unless the test brings its own (chapter 12).
+    return Scheduler(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
 
 
 def check_kv_invariants(sched: Scheduler) -> None:
     manager = sched.kv_cache_manager
     holders: dict[int, int] = {}
     for req in sched.running:
-        blocks = manager.req_to_blocks[req.request_id]
-        assert len(blocks) * sched.block_size >= req.num_computed_tokens
-        for b in blocks:
-            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for blocks in manager.get_blocks(req.request_id).blocks:  # every KV cache group (chapter 12)
+            assert len(blocks) * sched.block_size >= req.num_computed_tokens
+            for b in blocks:
+                if not b.is_null:  # a sliding window's dropped blocks (chapter 12)
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
     for block in manager.block_pool.blocks[1:]:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
         if block.ref_cnt > 1:
             assert block.block_hash is not None, "only cached full blocks may be shared"
 
 
-def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Random, max_steps: int = 5000):
-    runner = FakeModelRunner(sched.block_size, sched.num_spec_tokens, rng)
+def run_workload(
+    sched: Scheduler, requests, abort_prob: float, rng: random.Random, max_steps: int = 5000, runner=None
+):
+    runner = runner or FakeModelRunner(sched.block_size, sched.num_spec_tokens, rng)
     pending = list(requests)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     aborted: set[str] = set()

@@ -31,6 +31,9 @@ class SchedulerConfig:
     """Cap on the tokens one request may take in a step; 0 means no cap beyond the budget."""
     policy: str = "fcfs"
     """Order of the waiting queue, and of preemption: fcfs or priority."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Give every attention layer blocks for every token, even sliding-window layers that attend to
+    fewer (chapter 12)."""
 
     def __post_init__(self) -> None:
         check_positive_int("max_num_seqs", self.max_num_seqs)

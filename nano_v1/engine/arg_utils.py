@@ -57,6 +57,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
     scheduling_policy: str = SchedulerConfig.policy
+    disable_hybrid_kv_cache_manager: bool = SchedulerConfig.disable_hybrid_kv_cache_manager
     # CompilationConfig and SpeculativeConfig, each given whole (a dict, or JSON on the CLI)
     compilation_config: CompilationConfig | dict | int | str | None = None
     speculative_config: dict[str, Any] | str | None = None
@@ -128,6 +129,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             device_config=DeviceConfig(self.device),
             compilation_config=CompilationConfig.from_arg(self.compilation_config),
@@ -175,6 +177,7 @@ _CLI_GROUPS: list[tuple[str, type, list[str]]] = [
             "enable_chunked_prefill",
             "long_prefill_token_threshold",
             "scheduling_policy",
+            "disable_hybrid_kv_cache_manager",
         ],
     ),
     ("compilation and speculative decoding", EngineArgs, ["compilation_config", "speculative_config"]),
