@@ -42,11 +42,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from nano_v1 import LLM, SamplingParams
+from nano_v1 import SamplingParams
 from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost, measure_device_ceilings
+from nano_v1.benchmarks.utils import CONFIGS_DIR
 from nano_v1.demo_model import DEMO_MODEL_PATH
+from nano_v1.engine.core import EngineCore
+from nano_v1.engine.output_processor import OutputProcessor
+from nano_v1.engine.processor import load_tokenizer
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 BATCH_SIZES = nb.pick(cpu=[1, 2, 4, 8, 16, 32, 64], gpu=[1, 2, 4, 8, 16, 32, 64, 128, 256], smoke=[1, 4])
@@ -110,11 +113,15 @@ for b in BATCH_SIZES:
 # %% [markdown]
 # ## Time each stage without changing the engine
 #
-# `StageTimer` wraps, on one `LLM` instance, the methods a step calls, and adds each
-# call's time to its stage. The engine's own `LLMEngine.step()` then runs unchanged. On
-# a GPU each wrapper synchronises before reading the clock, so the device time of a
-# stage is charged to it rather than to the next synchronisation (this removes the
-# little overlap a step has, and is said in the plot).
+# `StageTimer` wraps, on one engine, the methods a step calls, and adds each call's time
+# to its stage. It needs the objects a step runs through, which `LLM` keeps out of reach
+# (by default its engine core runs in another process, chapter 09). So we assemble the
+# same engine from its two halves, in this process: the engine core (`EngineCore`: the
+# scheduler and the worker) and the frontend's `OutputProcessor`. A step is then what
+# `LLMEngine.step()` does, `output_processor.process_outputs(core.step().outputs)`, and
+# runs unchanged under the timers. On a GPU each wrapper synchronises before reading the
+# clock, so the device time of a stage is charged to it rather than to the next
+# synchronisation (this removes the little overlap a step has, and is said in the plot).
 
 # %%
 STAGES = ("schedule", "prepare inputs", "forward", "sample", "update", "outputs")
@@ -123,9 +130,7 @@ STAGES = ("schedule", "prepare inputs", "forward", "sample", "update", "outputs"
 class StageTimer:
     """Charge the time of every wrapped method call to its stage, while active."""
 
-    def __init__(self, llm: LLM) -> None:
-        engine = llm.llm_engine
-        core = engine.engine_core.engine_core  # the in-process EngineCore
+    def __init__(self, core: EngineCore, output_processor: OutputProcessor) -> None:
         runner = core.model_executor.model_runner
         self.targets = [
             (core.scheduler, "schedule", "schedule"),
@@ -137,7 +142,7 @@ class StageTimer:
             (runner.sampler, "forward", "sample"),
             (runner, "_bookkeeping", "sample"),  # holds the step's one device -> host sync
             (core.scheduler, "update_from_output", "update"),
-            (engine.output_processor, "process_outputs", "outputs"),
+            (output_processor, "process_outputs", "outputs"),
         ]
         self.seconds: dict[str, float] = defaultdict(float)
 
@@ -163,9 +168,8 @@ class StageTimer:
             delattr(obj, name)
 
 
-llm = LLM(
-    model_dir,
-    device=nb.DEVICE,
+core = nb.engine_core(
+    model=model_dir,
     max_model_len=CONTEXT + NUM_STEPS + 16,
     max_num_seqs=max(BATCH_SIZES),
     enable_prefix_caching=False,
@@ -173,30 +177,52 @@ llm = LLM(
     load_format=load_format,
     dtype=dtype,
 )
-engine = llm.llm_engine
+vllm_config = core.vllm_config
+output_processor = OutputProcessor(load_tokenizer(vllm_config.model_config))
+
+
+def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """What `LLMEngine.add_request` does with a prompt of token ids: hand it to both halves."""
+    request = nb.core_request(request_id, prompt_token_ids, params)
+    output_processor.add_request(request_id, None, [request])
+    core.add_request(request)
+
+
+def step() -> list:
+    """One engine step: `LLMEngine.step()`, less the stop-string aborts and statistics (none here)."""
+    return output_processor.process_outputs(core.step().outputs).request_outputs
+
+
+def abort(request_ids: list[str]) -> None:
+    core.abort_requests(output_processor.abort_requests(request_ids))
+
+
 rng = np.random.default_rng(0)
 
 # %% [markdown]
 # ## Check: the timers change nothing
 #
-# The same prompts, greedy, once through `LLM.generate` and once stepped by hand under
-# the timers: the tokens must be identical.
+# The same prompts, greedy, once untimed and once under the timers: the tokens must be
+# identical.
+
 
 # %%
+def run_to_completion(name: str, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        add_request(f"{name}-{i}", p, params)
+    got: dict[str, list[int]] = {}
+    while output_processor.has_unfinished_requests():
+        for out in step():
+            got[out.request_id] = out.outputs[0].token_ids
+    return [got[f"{name}-{i}"] for i in range(len(prompts))]
+
+
 check_prompts = [rng.integers(0, shape.vocab_size, CONTEXT).tolist() for _ in range(3)]
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-expected = [
-    o.outputs[0].token_ids
-    for o in llm.generate([{"prompt_token_ids": p} for p in check_prompts], params, use_tqdm=False)
-]
-got: dict[str, list[int]] = {}
-with StageTimer(llm):
-    for i, p in enumerate(check_prompts):
-        engine.add_request(f"check-{i}", {"prompt_token_ids": p}, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id] = out.outputs[0].token_ids
-assert [got[f"check-{i}"] for i in range(3)] == expected, "the timed engine produced different tokens"
+expected = run_to_completion("untimed", check_prompts, params)
+with StageTimer(core, output_processor):
+    timed = run_to_completion("timed", check_prompts, params)
+assert timed == expected, "the timed engine produced different tokens"
 print("timed and untimed runs agree:", expected[0])
 
 # %% [markdown]
@@ -211,24 +237,22 @@ def measure(batch_size: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS + 8, ignore_eos=True)
     ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
     for request_id in ids:
-        engine.add_request(
-            request_id, {"prompt_token_ids": rng.integers(0, shape.vocab_size, CONTEXT).tolist()}, params
-        )
-    budget = engine.vllm_config.scheduler_config.max_num_batched_tokens
+        add_request(request_id, rng.integers(0, shape.vocab_size, CONTEXT).tolist(), params)
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
     for _ in range(-(-batch_size * CONTEXT // budget) + 2):  # prefill, then every request is decoding
-        engine.step()
+        step()
     per_stage = {s: [] for s in STAGES}
     step_s = []
     for _ in range(NUM_STEPS):
-        timer = StageTimer(llm)
+        timer = StageTimer(core, output_processor)
         with timer:
             t0 = time.perf_counter()
-            engine.step()
+            step()
             step_s.append(time.perf_counter() - t0)
         for s in STAGES:
             per_stage[s].append(timer.seconds[s])
-    engine.abort_request(ids)
-    # "other": the glue between stages (LLMEngine.step, EngineCore.step, execute_model's own lines).
+    abort(ids)
+    # "other": the glue between stages (step(), EngineCore.step, execute_model's own lines).
     per_stage["other"] = [t - sum(parts) for t, parts in zip(step_s, zip(*(per_stage[s] for s in STAGES)))]
     row = {"batch_size": batch_size, "step_us": 1e6 * statistics.median(step_s)}
     row.update({f"{s}_us": 1e6 * statistics.median(v) for s, v in per_stage.items()})

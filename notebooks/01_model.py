@@ -22,6 +22,7 @@
 # generation, continuous batching (`generate_batch`) and padded `generate`.
 
 # %%
+import os
 import tempfile
 
 import matplotlib.pyplot as plt
@@ -35,21 +36,26 @@ from nano_v1.benchmarks.roofline import ModelShape, measure_device_ceilings, wor
 from nano_v1.benchmarks.throughput import (
     CPU_HF_MAX_BATCH_TOKENS,
     DEFAULT_INPUT_LEN_RANGE,
+    dummy_hf_model,
     load_hf_model,
     run_generate,
     run_generate_batch,
     run_nano_v1,
 )
-from nano_v1.benchmarks.utils import sample_random_requests, write_tiny_qwen3
+from nano_v1.benchmarks.utils import CONFIGS_DIR, sample_random_requests, write_tiny_qwen3
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.arg_utils import EngineArgs
+
+# Every engine's core in this process (vLLM's switch, read when an `LLM` is built): no
+# engine-core process to start per engine, and none needed on a GPU machine (chapter 09).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()  # one torch thread on a CPU: steadier timings on a shared machine
 NUM_PROMPTS = nb.pick(cpu=[4, 16, 48], gpu=[16, 64, 256], smoke=[2])
 INPUT_LEN_RANGE = nb.pick(cpu=DEFAULT_INPUT_LEN_RANGE, gpu=(100, 1024), smoke=(8, 32))
-# Output lengths vary, as real ones do (GOALS.md's CPU anchor fixes them at 48; a padded
-# batch then never idles a row, which flatters padded `generate`).
+# Output lengths vary, as real ones do (the CPU goal, nano_v1 >= 10x `generate_batch`, fixes
+# them at 48; a padded batch then never idles a row, which flatters padded `generate`).
 OUTPUT_LEN_RANGE = nb.pick(cpu=(16, 80), gpu=(100, 1024), smoke=(2, 6))
 DTYPE = "bfloat16" if nb.ON_GPU else "float32"
 print(nb.device_label())
@@ -58,8 +64,8 @@ print(nb.device_label())
 # ## Check: parity with transformers
 #
 # Two checkpoints: the bundled demo model (a small Qwen3 trained on the Python standard
-# library, with its tokenizer) and GOALS.md's tiny Qwen3 (4 layers, hidden 256, random
-# weights), which the throughput measurement below uses. For each, `LLM.generate`
+# library, with its tokenizer) and the tiny Qwen3 of the CPU throughput goal (4 layers, hidden
+# 256, random weights), which the throughput measurement below uses. For each, `LLM.generate`
 # decodes greedily with `logprobs=1`; transformers then runs the prompt plus nano_v1's
 # tokens in one teacher-forced forward. Two numbers: the largest difference between the
 # two log-probabilities of every generated token, and how often nano_v1's token is
@@ -123,8 +129,6 @@ for name, r in parity_results.items():
 
 # %%
 if nb.ON_GPU and not SMOKE:
-    from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
-
     bench_dir, load_format, model_name = str(CONFIGS_DIR / "qwen3-0.6b"), "dummy", "Qwen3-0.6B shape"
 else:
     bench_dir, load_format, model_name = str(tiny_dir), "auto", "demo model" if SMOKE else "tiny Qwen3 (5.2M)"
@@ -168,8 +172,6 @@ for n, reqs in workloads.items():
 # %%
 hf_model = None if load_format == "dummy" else load_hf_model(engine_args.create_engine_config())
 if hf_model is None:
-    from nano_v1.benchmarks.gpu_suite import dummy_hf_model
-
     hf_model = dummy_hf_model(bench_dir, torch.bfloat16, torch.device(nb.DEVICE))
 rows = []
 for n, reqs in workloads.items():
@@ -252,7 +254,7 @@ else:
 #
 # - Padded `generate` keeps every row of its static batch until the longest output is
 #   done, and attends over left padding. With varied output lengths that is wasted work;
-#   with equal lengths (GOALS.md's fixed 48) it wastes only the prompt padding, and its
+#   with equal lengths (the CPU goal's fixed 48) it wastes only the prompt padding, and its
 #   attention is one fused SDPA call over a contiguous cache.
 # - `generate_batch` schedules continuously, like nano_v1, but spends more host time per
 #   step, and on a small model the host time is most of the step (chapter 00).

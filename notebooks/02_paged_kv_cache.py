@@ -29,11 +29,10 @@
 # schemes would have reserved for the same running requests.
 
 # %%
-
 import matplotlib.pyplot as plt
 import numpy as np
 
-from nano_v1 import LLM, SamplingParams
+from nano_v1 import SamplingParams
 from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks.utils import sample_random_requests
 
@@ -81,39 +80,30 @@ print(
 # %% [markdown]
 # ## Run the workload, recording every step
 #
-# All requests arrive at once (`LLMEngine.add_request`), the engine steps until done,
-# and after each step we read the scheduler's state: the running requests, their
-# computed tokens, the blocks each holds (`KVCacheManager.get_block_ids`), and the pool's
-# usage. Prefix caching is off, so blocks are never shared and the counts are exact.
+# All requests arrive at once, the engine steps until done, and after each step we read
+# the scheduler's state: the running requests, their computed tokens, the blocks each
+# holds (`KVCacheManager.get_block_ids`), and the pool's usage. Prefix caching is off, so
+# blocks are never shared and the counts are exact. The notebook builds the engine core
+# itself (`nb.engine_core`: the scheduler and the worker, in this process) so that the
+# scheduler it reads is its own object; `LLM` would hide it, by default in another
+# process (chapter 09). Each step's outputs carry the new tokens of each request.
 
 
 # %%
 def run(num_blocks: int | None, record: bool) -> tuple[dict[int, list[int]], list[dict], int]:
-    llm = LLM(
-        model_dir,
-        device=nb.DEVICE,
-        load_format="dummy",
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        max_model_len=MAX_MODEL_LEN,
-        num_gpu_blocks_override=num_blocks,
-        enable_prefix_caching=False,
-        max_num_seqs=NUM_REQUESTS,
+    core = nb.engine_core(
+        model=model_dir, load_format="dummy", dtype=dtype, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks_override=num_blocks, enable_prefix_caching=False, max_num_seqs=NUM_REQUESTS,
     )
-    engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
+    scheduler = core.scheduler
     kv = scheduler.kv_cache_manager
     for i, r in enumerate(workload):
-        engine.add_request(
-            str(i),
-            {"prompt_token_ids": r.prompt_token_ids},
-            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
-        )
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        core.add_request(nb.core_request(str(i), r.prompt_token_ids, params))
     seen, outputs, steps = {}, {}, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.outputs[0].token_ids
+    while scheduler.has_unfinished_requests():
+        for out in core.step().outputs:
+            outputs.setdefault(int(out.request_id), []).extend(out.new_token_ids)
         if not record:
             continue
         seen.update({r.request_id: r for r in scheduler.running})

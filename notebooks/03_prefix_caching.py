@@ -26,6 +26,7 @@
 # %%
 import inspect
 import json
+import os
 import statistics
 import time
 
@@ -36,6 +37,9 @@ from nano_v1 import LLM, SamplingParams
 from nano_v1.benchmarks import notebook as nb
 from nano_v1.demo_model import DEMO_MODEL_PATH
 
+# Every engine's core in this process (vLLM's switch, read when an `LLM` is built): no
+# engine-core process to start per engine, and none needed on a GPU machine (chapter 09).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()
 NUM_REQUESTS = nb.pick(cpu=16, gpu=64, smoke=4)
@@ -90,7 +94,7 @@ for s in SHARED:
 #
 # Two engines on the same weights, caching on and off. For each shared-prefix length, a
 # fresh workload (the prefix, then random tokens), the cache emptied before every run
-# (`EngineCore.reset_prefix_cache`), and the best of `REPEATS` timed runs (on a shared
+# (`LLM.reset_prefix_cache`), and the best of `REPEATS` timed runs (on a shared
 # machine the fastest run is the one least disturbed by others).
 # `RequestOutput.num_cached_tokens` says how many prompt tokens each request found.
 
@@ -117,7 +121,7 @@ params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]]) -> tuple[float, list]:
-    assert llm.llm_engine.engine_core.engine_core.reset_prefix_cache()  # start cold
+    assert llm.reset_prefix_cache()  # start cold
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - start, outputs
@@ -211,7 +215,7 @@ code_params = SamplingParams(temperature=0.0, max_tokens=nb.pick(24, 24, 4))
 code_runs = {}
 for c, llm in demo.items():
     llm.generate([{"prompt_token_ids": code_ids[0][:32]}], code_params, use_tqdm=False)  # warm-up
-    assert llm.llm_engine.engine_core.engine_core.reset_prefix_cache()
+    assert llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in code_ids], code_params, use_tqdm=False)
     code_runs[c] = {

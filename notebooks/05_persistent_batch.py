@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
+from nano_v1.benchmarks.utils import CONFIGS_DIR
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.sample.sampler import SamplerOutput

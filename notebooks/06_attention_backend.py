@@ -35,6 +35,9 @@ from nano_v1.benchmarks import notebook as nb
 
 if not nb.ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined: before its import
+# The engine core in this process (vLLM's switch, read when an `LLM` is built): the notebook
+# hands its worker a function through `collective_rpc`, which cannot cross to another process.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.attention.ops import reference
@@ -62,18 +65,26 @@ print(nb.device_label())
 # A tiny engine (random weights, block size 4 so that requests span several blocks) runs
 # three requests. After a first step, a third request arrives with a prompt longer than
 # the step's token budget, so the second step mixes two decodes with a chunk of a
-# prefill. We catch the `FlashAttentionMetadata` the runner builds for that step: every
-# attention layer of the model reads these same few tensors.
+# prefill. We catch the `FlashAttentionMetadata` the runner builds for that step (a
+# function run in the worker through `collective_rpc` keeps everything its builder
+# returns): every attention layer of the model reads these same few tensors.
 
 # %%
 model_dir = write_tiny_qwen3(tempfile.mkdtemp(prefix="nano_v1_nb06_"), weights=False)
 llm = LLM(model=model_dir, load_format="dummy", dtype="float32", device=nb.DEVICE, seed=0, block_size=4,
           max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
 engine = llm.llm_engine
-runner = engine.engine_core.engine_core.model_executor.model_runner
 built = []
-build = runner.attn_metadata_builder.build
-runner.attn_metadata_builder.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+
+
+def keep_built_metadata(worker, built: list) -> None:
+    """In the worker: append every attention metadata its runner builds to `built`."""
+    builder = worker.model_runner.attn_metadata_builder
+    build = builder.build
+    builder.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+
+
+llm.collective_rpc(keep_built_metadata, args=(built,))
 
 params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 engine.add_request("a", {"prompt_token_ids": list(range(1, 6))}, params)  # 5-token prompt

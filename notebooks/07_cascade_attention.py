@@ -193,7 +193,7 @@ for r in measured["rows"]:
 #
 # The full grid runs on an H200 in the one-shot GPU suite (`gpu_suite.py`, measurement
 # `cascade_attention`); its latest recorded run in `figures/data/` is plotted below. The
-# goal (GOALS.md): at least 5x at prefix 16k, 128 requests, suffix 128, and the rule
+# goal: at least 5x at prefix 16k, 128 requests, suffix 128, and the rule
 # picking the faster path in at least 90% of the grid.
 
 # %%

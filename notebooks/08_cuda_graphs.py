@@ -23,6 +23,7 @@
 # here and (1) is predicted, then read from a recorded GPU run when there is one.
 
 # %%
+import os
 import tempfile
 import time
 
@@ -32,11 +33,15 @@ import numpy as np
 from nano_v1 import LLM
 from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks.cuda_graphs import CPU_MODES, measure_mode, release_engines
-from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
 from nano_v1.benchmarks.roofline import ModelShape
-from nano_v1.benchmarks.utils import write_tiny_qwen3
+from nano_v1.benchmarks.utils import CONFIGS_DIR, write_tiny_qwen3
 from nano_v1.compilation.counter import compilation_counter
 from nano_v1.config import CompilationConfig
+
+# The engine core in this process (vLLM's switch, read when an `LLM` is built): the notebook
+# asks its worker for the split model through `collective_rpc` with a function, which cannot
+# cross to another process, and times its steps there (chapter 09).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()
@@ -51,7 +56,7 @@ print(nb.device_label())
 # With `compilation_config={"level": 3}`, Dynamo traces the model once, the token count a
 # symbol, and `nano_v1/compilation/backends.py::split_graph` cuts the graph at each
 # attention op: for L layers, L attention pieces and L + 1 dense pieces. The model is
-# GOALS.md's tiny Qwen3 (4 layers, hidden 256), random weights.
+# the benchmarks' tiny Qwen3 (4 layers, hidden 256), random weights.
 
 # %%
 model_dir = write_tiny_qwen3(tempfile.mkdtemp(prefix="nano_v1_nb08_"))
@@ -70,9 +75,15 @@ traced_before = compilation_counter.num_graphs_seen
 start = time.perf_counter()
 split_llm = LLM(**engine_kwargs, **CPU_MODES["split"])
 startup_split = time.perf_counter() - start
-split_runner = split_llm.llm_engine.engine_core.engine_core.model_executor.model_runner
-pieces = split_runner.compile_backend.piecewise_graphs
-num_layers = len(split_runner.attn_layers)
+
+
+def split_model(worker) -> tuple[list, int]:
+    """In the worker: the pieces its compile backend cut the model into, and its number of attention layers."""
+    runner = worker.model_runner
+    return runner.compile_backend.piecewise_graphs, len(runner.attn_layers)
+
+
+pieces, num_layers = split_llm.collective_rpc(split_model)[0]
 print(
     f"engine start-up with the trace: {startup_split:.1f} s; Dynamo traces: "
     f"{compilation_counter.num_graphs_seen - traced_before}"
@@ -264,5 +275,5 @@ print(
         },
     )
 )
-del eager_llm, split_llm, split_runner
+del eager_llm, split_llm, pieces
 release_engines()

@@ -61,7 +61,7 @@ print(nb.device_label(), f"· torch threads per process: {threads}")
 
 # %%
 report = processes.run(BATCH_SIZES, INPUT_LEN, OUTPUT_LEN, engine_args)
-processes.print_table(report)
+processes.print_report(report)
 
 # %% [markdown]
 # Per step, the CPU milliseconds each side spent (in-process: the core's share is the time
@@ -104,7 +104,8 @@ for b in BATCH_SIZES:
 # %% [markdown]
 # ## Serving under load
 #
-# The server (`AsyncLLM` + FastAPI in this process, the engine core in a child) receives
+# The server (`nano-v1 serve`, which `serve.run` starts in a process of its own and stops
+# afterwards: `AsyncLLM` + FastAPI there, the engine core in a child of it) receives
 # `NUM_PROMPTS` streaming requests arriving as a Poisson process at each rate; `inf` sends
 # them all at once. TTFT includes the wait in the queue; ITL is the gap between streamed
 # chunks, about one engine step when the engine keeps up.
@@ -117,9 +118,9 @@ if RATES:
     args = argparse.Namespace(base_url=None, served_model_name="demo", num_prompts=NUM_PROMPTS,
                               request_rate=RATES, input_len=INPUT_LEN, output_len=OUTPUT_LEN, seed=0)
     serving = serve.run(args, engine_args)
-    serve.print_table(serving)
+    serve.print_report(serving)
 else:
-    print("smoke mode: the serving sweep is skipped (it starts a second engine-core process)")
+    print("smoke mode: the serving sweep is skipped (it starts a server process with its own engine core)")
 
 # %%
 if serving["runs"]:

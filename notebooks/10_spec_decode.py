@@ -29,6 +29,7 @@
 #    and from the ratio the acceptance rate above which speculation pays.
 
 # %%
+import os
 import tempfile
 from pathlib import Path
 
@@ -38,18 +39,21 @@ import torch
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.gpu_suite import SuiteContext
 from nano_v1.benchmarks.spec_decode import (
     expected_tokens_per_step,
-    print_sweep,
+    print_report,
     run_cpu_sweep,
     verify_cost_sweep,
 )
+from nano_v1.benchmarks.utils import SuiteContext, step_timing
 from nano_v1.metrics.reader import spec_decoding_stats_from_metrics
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import RejectionSampler
 from nano_v1.spec_decode.metadata import SpecDecodeMetadata
 
+# Every engine's core in this process (vLLM's switch, read when an `LLM` is built): its
+# worker records each step (`step_timing`) and hands the records back as they are (chapter 09).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()
 KS = nb.pick(cpu=[1, 2, 3, 5], gpu=[1, 2, 3, 5], smoke=[3])
@@ -100,16 +104,9 @@ texts, steps = {}, {}
 for k in (0, 3):
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(max_model_len=512, dtype="float32", speculative_config=spec if k else None)
-    core = llm.llm_engine.engine_core.engine_core
-    step, count = core.step, [0]
-
-    def counted_step(step=step, count=count):
-        count[0] += 1
-        return step()
-
-    core.step = counted_step
-    texts[k] = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
-    steps[k] = count[0]
+    with step_timing(llm) as timings:  # one StepTiming per engine step, recorded by the worker
+        texts[k] = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    steps[k] = len(timings)
 stats = spec_decoding_stats_from_metrics(llm.get_metrics())
 assert texts[3] == texts[0], "speculation changed the greedy output"
 print(PROMPT + texts[3])
@@ -166,7 +163,7 @@ print(f"total variation from p: {0.5 * np.abs(empirical - p.numpy()).sum():.4f} 
 
 # %%
 sweep = run_cpu_sweep(NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS, tuple(KS), tuple(LOOKUP_MAXES))
-print_sweep(sweep)
+print_report(sweep)
 assert all(r["identical_to_baseline"] for r in sweep["rows"]), "greedy output changed"
 
 # %% [markdown]
@@ -176,7 +173,7 @@ assert all(r["identical_to_baseline"] for r in sweep["rows"]), "greedy output ch
 # proposes k drafts the model rejects) against plain decode steps of the same engine; the
 # ratio r is what a speculative step costs in plain steps, and speculation pays once
 # 1 + a + … + a^k > r, i.e. above the break-even acceptance rate. On this CPU it runs on
-# GOALS.md's tiny Qwen3 (random weights); the GPU suite runs it on the Qwen3-0.6B shape
+# the benchmarks' tiny Qwen3 (random weights); the GPU suite runs it on the Qwen3-0.6B shape
 # (`spec_decode_verify_cost`), shown below when a recorded GPU run exists.
 
 # %%

@@ -1,16 +1,26 @@
-"""Shared fixtures: tiny, randomly initialised Hugging Face checkpoints saved to disk.
+"""Shared fixtures and builders (tests import the builders with `from conftest import ...`).
 
-Every parity test loads these through the same path a real checkpoint takes
-(`config.json` + `model.safetensors` in a directory); nothing is downloaded.
+- Tiny, randomly initialised Hugging Face checkpoints saved to disk: every parity test
+  loads these through the same path a real checkpoint takes (`config.json` +
+  `model.safetensors` in a directory); nothing is downloaded.
+- Configs and inputs that several test files build: a CPU engine's `VllmConfig`, a
+  `Scheduler` without any checkpoint, `SamplingMetadata` as the persistent batch builds it.
 """
 
 from __future__ import annotations
 
 import os
+import types
+from typing import TYPE_CHECKING
 
 import hypothesis
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from nano_v1.config import VllmConfig
+    from nano_v1.core.sched.scheduler import Scheduler
+    from nano_v1.sample.metadata import SamplingMetadata
 
 # Engines under test run in-process unless a test asks for the engine-core process itself
 # (chapter 09); spawning one per test would cost seconds each.
@@ -78,6 +88,70 @@ def tiny_checkpoint_any(request, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+def make_vllm_config(model: str, device: str = "cpu", **engine_args) -> VllmConfig:
+    """The config `LLM(model, device=device, **engine_args)` would run with (on the CPU by default)."""
+    from nano_v1.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, device=device, **engine_args).create_engine_config()
+
+
+def make_scheduler(
+    num_blocks, block_size, budget, max_seqs, max_model_len, caching,
+    chunked=True, policy="fcfs", num_spec_tokens=0, reserve_full_isl=False, kv_cache_config=None,
+) -> Scheduler:  # fmt: skip
+    """A scheduler over `num_blocks` KV blocks (block 0 is the null block), with no checkpoint.
+
+    One full-attention KV cache group unless the test brings its own `kv_cache_config` (chapter 12).
+    """
+    from kv_cache_configs import full_attention_kv_cache_config
+
+    from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from nano_v1.core.sched.scheduler import Scheduler
+
+    config = VllmConfig.__new__(VllmConfig)
+    config.cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=caching, num_gpu_blocks=num_blocks
+    )
+    config.scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+        scheduler_reserve_full_isl=reserve_full_isl,
+    )
+    # The scheduler reads only max_model_len and whether the model takes images (chapter 11)
+    # from the model's config: no checkpoint needed.
+    config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=False)
+    config.device_config = DeviceConfig("cpu")
+    if num_spec_tokens:
+        config.speculative_config = SpeculativeConfig(
+            num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1
+        )
+    return Scheduler(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
+
+
+def make_sampling_metadata(
+    temperature: list[float],
+    top_p: list[float] | None = None,
+    top_k: list[int] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    max_num_logprobs: int | None = None,
+) -> SamplingMetadata:
+    """Metadata as the persistent batch builds it: greedy rows carry temperature 0."""
+    from nano_v1.sample.metadata import SamplingMetadata
+
+    greedy = [t == 0.0 for t in temperature]
+    return SamplingMetadata(
+        temperature=None if all(greedy) else torch.tensor(temperature),
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_p=None if top_p is None else torch.tensor(top_p),
+        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
+        generators=generators or {},
+        max_num_logprobs=max_num_logprobs,
+    )
 
 
 def pytest_configure(config) -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_utils import BackgroundServer
 
 from nano_v1.engine.arg_utils import EngineArgs
-from nano_v1.entrypoints.openai.api_server import BackgroundServer
 
 pytestmark = pytest.mark.ch09
 

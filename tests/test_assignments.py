@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -166,6 +167,25 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["list"]) == 0
     assert capsys.readouterr().out.count("\n") == len(TASKS)
+
+
+def test_cli_from_an_installed_package_asks_for_a_source_checkout(tmp_path):
+    """Installed from a wheel, nano_v1 sits in site-packages with no tests/ beside it."""
+    site_packages = tmp_path / "site-packages"
+    ignore = shutil.ignore_patterns("__pycache__", "checkpoint")  # no model is loaded
+    shutil.copytree(REPO_ROOT / "nano_v1", site_packages / "nano_v1", ignore=ignore)
+    env = {**os.environ, "PYTHONPATH": str(site_packages)}
+    expected = (
+        "error: the assignments need a source checkout of nano_v1 (git clone the repository, then "
+        f"pip install -e . in it): {site_packages} has no tests/ directory\n"
+    )
+    for command in (["list"], ["make", "ch04", "--out", str(tmp_path / "copy")], ["grade"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "nano_v1.assignments", *command],
+            cwd=site_packages, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert (result.returncode, result.stderr) == (2, expected), command
+    assert not (tmp_path / "copy").exists()
 
 
 def test_score_is_all_or_nothing_per_task():

@@ -1,4 +1,4 @@
-"""The two benchmarks at toy sizes: they run end to end, do the workload they claim, and write JSON.
+"""The benchmarks at toy sizes: they run end to end, do the workload they claim, and write JSON.
 
 No timing is asserted (these machines are shared); token counts are, because a benchmark
 that silently runs a different workload reports a meaningless rate.
@@ -7,11 +7,20 @@ that silently runs a different workload reports a meaningless rate.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from nano_v1 import benchmarks
+from nano_v1.benchmarks import serve
 from nano_v1.benchmarks.utils import length_range, sample_random_requests
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.entrypoints import cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_report(path) -> dict:
@@ -98,3 +107,69 @@ def test_throughput_benchmark_rejects_requests_longer_than_the_context(tiny_qwen
                   "--peers", "none"])
     assert e.value.code == 2
     assert "max_model_len" in capsys.readouterr().err
+
+
+@pytest.mark.ch00
+def test_no_benchmark_module_writes_the_environment_at_import():
+    # In a fresh interpreter with neither variable set (this process has them from conftest):
+    # importing every benchmark module must leave os.environ exactly as it was.
+    modules = sorted(p.stem for p in Path(benchmarks.__file__).parent.glob("*.py") if p.stem != "__init__")
+    script = (
+        "import importlib, os\n"
+        "before = dict(os.environ)\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module('nano_v1.benchmarks.' + name)\n"
+        "changed = {k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)}\n"
+        "assert not changed, f'importing the benchmarks changed {sorted(changed)}'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.ch09
+def test_engine_flags_give_the_server_what_differs_from_the_defaults():
+    engine_args = EngineArgs(dtype="float32", max_model_len=64, enable_prefix_caching=False,
+                             compilation_config={"level": 3})
+    assert serve.engine_flags(engine_args) == [
+        "--dtype", "float32", "--max-model-len", "64", "--no-enable-prefix-caching",
+        "--compilation-config", '{"level": 3}',
+    ]
+    assert serve.engine_flags(EngineArgs()) == []
+
+
+@pytest.fixture
+def server_pythonpath(monkeypatch):
+    """`nano-v1 serve` in a child process imports this checkout's nano_v1."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.ch09
+@pytest.mark.slow
+def test_bench_serve_without_a_base_url_runs_its_own_server_and_stops_it(server_pythonpath, monkeypatch, tmp_path):
+    started = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(serve.subprocess, "Popen", recording_popen)
+    out = tmp_path / "serve.json"
+    cli.main(["bench", "serve", "--num-prompts", "2", "--request-rate", "inf", "--input-len", "8",
+              "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--dtype", "float32",
+              "--output-json", str(out)])
+    (run,) = read_report(out)["runs"]
+    assert run["completed"] == 2 and run["output_throughput"] > 0 and run["median_itl_ms"] > 0
+    (server,) = [p for p in started if p.args[:4] == [sys.executable, "-m", "nano_v1.entrypoints.cli", "serve"]]
+    assert server.returncode is not None, "the server is still running"
+
+
+@pytest.mark.ch09
+@pytest.mark.slow
+def test_bench_serve_says_when_its_server_dies_on_start(server_pythonpath):
+    with pytest.raises(RuntimeError, match="exited with code") as e:
+        with serve.running_server(EngineArgs(dtype="no-such-dtype"), "demo"):
+            pass
+    assert "no-such-dtype" in str(e.value)  # the end of the server's log

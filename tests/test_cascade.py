@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_vllm_config
 from test_llm import MAX_NEW, hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
@@ -23,7 +24,6 @@ from nano_v1.attention.backends.torch_reference import TorchReferenceImpl, Torch
 from nano_v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.selector import get_attn_backend
-from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.kv_cache_interface import FullAttentionSpec
 
 pytestmark = pytest.mark.ch07
@@ -222,7 +222,7 @@ def runner(tiny_qwen3):
     """A model runner without weights: `_compute_cascade_attn_prefix_len` reads only the batch."""
     from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
-    config = EngineArgs(model=tiny_qwen3, block_size=16, max_model_len=512).create_engine_config()
+    config = make_vllm_config(tiny_qwen3, device="auto", block_size=16, max_model_len=512)
     return GPUModelRunner(config, torch.device("cpu"))
 
 
@@ -369,7 +369,7 @@ def test_bytes_model():
 # ---------------------------------------------------------------- configuration
 def test_attention_backend_config(tiny_qwen3, monkeypatch):
     def resolved(**kwargs):
-        return EngineArgs(model=tiny_qwen3, device="cpu", **kwargs).create_engine_config().model_config
+        return make_vllm_config(tiny_qwen3, **kwargs).model_config
 
     monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
     assert resolved().attention_backend == "TORCH_REFERENCE"  # the default on a CPU
@@ -392,5 +392,5 @@ def test_attention_backend_config(tiny_qwen3, monkeypatch):
         resolved()
     if torch.cuda.is_available():
         monkeypatch.delenv("VLLM_ATTENTION_BACKEND")
-        cuda = EngineArgs(model=tiny_qwen3, device="cuda").create_engine_config().model_config
+        cuda = make_vllm_config(tiny_qwen3, device="cuda").model_config
         assert cuda.attention_backend == "FLASH_ATTN"

@@ -16,13 +16,13 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import make_vllm_config
 from test_llm import hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.compilation.counter import compilation_counter
 from nano_v1.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper, GraphPool
 from nano_v1.config import CompilationConfig, CompilationLevel, CUDAGraphMode
-from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.llm_engine import LLMEngine
 from nano_v1.forward_context import set_forward_context
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
@@ -181,9 +181,7 @@ def test_bad_compilation_config_is_a_clear_error(device, value):
 
 @pytest.mark.parametrize("value", [CompilationConfig(level=3), {"mode": 3}, 3, "3", '{"level": 3}'])
 def test_engine_args_accept_a_compilation_config(tiny_qwen3, value):
-    vllm_config = EngineArgs(
-        model=tiny_qwen3, device="cpu", compilation_config=value
-    ).create_engine_config()
+    vllm_config = make_vllm_config(tiny_qwen3, compilation_config=value)
     assert vllm_config.compilation_config.level == 3
     assert vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     if isinstance(value, CompilationConfig):
@@ -215,10 +213,10 @@ def engine_with_fake_graphs(
     path: str, mode: CUDAGraphMode, sizes: list[int], monkeypatch, attention_backend: str = "TORCH_REFERENCE"
 ) -> LLMEngine:
     """A CPU engine that runs the runner's padding, capture and dispatch with fake graphs."""
-    vllm_config = EngineArgs(
-        model=path, dtype="float32", device="cpu", max_num_seqs=8, compilation_config={"level": 3},
+    vllm_config = make_vllm_config(
+        path, dtype="float32", max_num_seqs=8, compilation_config={"level": 3},
         attention_backend=attention_backend,
-    ).create_engine_config()
+    )  # fmt: skip
     vllm_config.compilation_config = dataclasses.replace(
         vllm_config.compilation_config, cudagraph_mode=mode, cudagraph_capture_sizes=sizes
     )

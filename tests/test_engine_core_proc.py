@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from test_llm import prefix_cache_counters, shared_prefix_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.engine import (
@@ -115,6 +116,27 @@ def test_multiprocess_matches_in_process(llms, params):
     engine_core = multiproc.llm_engine.engine_core
     assert engine_core.call_utility("get_num_unfinished_requests") == 0
     assert engine_core.call_utility("get_kv_cache_usage") == 0.0
+
+
+def test_prefix_cache_metrics_cross_the_process_boundary(monkeypatch):
+    """Each step's statistics ride on its outputs, also from steps that sample nothing."""
+    # A 32-token budget chunks the prompts: some requests are admitted in steps that
+    # finish no prompt, whose outputs are statistics only.
+    prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    counters = []
+    for multiprocessing in ("0", "1"):
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+        llm = LLM(**ENGINE_KWARGS, max_num_batched_tokens=32)
+        assert isinstance(llm.llm_engine.engine_core, SyncMPClient) == (multiprocessing == "1")
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+            counters.append(prefix_cache_counters(llm))
+        finally:
+            llm.llm_engine.shutdown()
+    queries, hits = counters[0]
+    assert queries == sum(len(p["prompt_token_ids"]) for p in prompts) and hits > 0
+    assert counters[1] == counters[0]
 
 
 def test_startup_error_in_child_is_raised_not_hung(monkeypatch):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from nano_v1.benchmarks import gpu_suite, ledger
-from nano_v1.benchmarks.gpu_suite import Measurement, SuiteContext, register, run_measurement, run_suite
+from nano_v1.benchmarks.gpu_suite import Measurement, register, run_measurement, run_suite
+from nano_v1.benchmarks.utils import SuiteContext
 
 pytestmark = pytest.mark.ch01
 
@@ -79,11 +80,12 @@ def test_the_smoke_report_goes_into_the_ledger(smoke_report, tmp_path):
     assert latest["measurements"] == report["measurements"] and latest["ledger_file"] == target.name
 
 
-def test_decode_sweep_times_pure_decode_steps_after_a_multi_step_prefill(monkeypatch, tmp_path):
+def test_decode_sweep_times_pure_decode_steps_after_a_multi_step_prefill(tmp_path):
     # A step budget of 8 tokens spreads each batch's prefill over several steps, during which
     # the first requests already decode: none may run out of tokens before the timed steps end.
-    monkeypatch.setattr(gpu_suite, "MAX_NUM_BATCHED_TOKENS", 8)
-    record = run_suite(tmp_path, smoke=True, only=["decode_latency"])["measurements"]["decode_latency"]
+    ctx = SuiteContext(device=torch.device("cpu"), smoke=True, work_dir=tmp_path, num_prompts=1,
+                       max_num_batched_tokens=8)
+    record = run_measurement(gpu_suite.MEASUREMENTS["decode_latency"], ctx, cap_s=60)
     assert record["status"] == "ok", record.get("traceback")
     assert [r["batch_size"] for r in record["result"]["rows"]] == [1, 2, 4]
 

@@ -747,7 +747,7 @@ def test_cascade_is_refused_for_windowed_groups(tiny_qwen3, monkeypatch):
     from nano_v1.engine.arg_utils import EngineArgs
     from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
-    config = EngineArgs(model=tiny_qwen3, block_size=16, max_model_len=2048).create_engine_config()
+    config = EngineArgs(model=tiny_qwen3, block_size=16, max_model_len=1024).create_engine_config()
     runner = GPUModelRunner(config, torch.device("cpu"))
     monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.full(8, 1000))
     query_lens = np.full(8, 2, dtype=np.int32)  # not pure decodes: the rule says cascade

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers
-from conftest import TINY_SHAPES
+from conftest import TINY_SHAPES, make_vllm_config
 from kv_cache_configs import full_attention_kv_cache_config
 from torch import nn
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.kv_cache_utils import get_kv_cache_configs
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.outputs import ModelRunnerOutput
 from nano_v1.sample.sampler import SamplerOutput
 from nano_v1.sampling_params import SamplingParams
@@ -37,6 +36,13 @@ MAX_MODEL_LEN = 96
 MAX_NUM_SEQS = 8
 BUDGET = 48
 NUM_BLOCKS = 4096  # block ids are drawn at random from 1 .. NUM_BLOCKS - 1
+ENGINE_ARGS = dict(
+    dtype="float32",
+    max_model_len=MAX_MODEL_LEN,
+    block_size=BLOCK_SIZE,
+    max_num_seqs=MAX_NUM_SEQS,
+    max_num_batched_tokens=BUDGET,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +52,7 @@ def vllm_config(tmp_path_factory) -> VllmConfig:
     transformers.Qwen3Config(**TINY_SHAPES, head_dim=32, architectures=["Qwen3ForCausalLM"]).save_pretrained(
         path
     )
-    return EngineArgs(
-        model=str(path),
-        device="cpu",
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK_SIZE,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=BUDGET,
-    ).create_engine_config()
+    return make_vllm_config(str(path), **ENGINE_ARGS)
 
 
 def random_params(rng: random.Random) -> SamplingParams:
@@ -483,16 +481,7 @@ def test_execute_model_greedy_and_logprobs(vllm_config):
 
 def test_runner_with_real_model_matches_transformers_greedy(tiny_qwen3):
     """Real attention over the paged cache, random block ids, chunking, preemption, skipped steps."""
-    vllm_config = EngineArgs(
-        model=tiny_qwen3,
-        device="cpu",
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK_SIZE,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=BUDGET,
-        num_gpu_blocks_override=NUM_BLOCKS,
-    ).create_engine_config()
+    vllm_config = make_vllm_config(tiny_qwen3, **ENGINE_ARGS)
     runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     runner.load_model()
     # The override sets the block count: no memory to count.

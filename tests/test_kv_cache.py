@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+from conftest import make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_cache_configs import full_attention_kv_cache_config
+from test_scheduler import FakeModelRunner
 
 from nano_v1.core.block_pool import BlockPool
 from nano_v1.core.kv_cache_manager import KVCacheManager
@@ -25,17 +27,21 @@ from nano_v1.core.kv_cache_utils import (
     hash_block_tokens,
     make_block_hash_with_group_id,
 )
+from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 
 
-def make_request(request_id: str, prompt: list[int], block_size: int = BLOCK_SIZE) -> Request:
+def make_request(
+    request_id: str, prompt: list[int], block_size: int = BLOCK_SIZE, max_tokens: int = 1000
+) -> Request:
     return Request(
         request_id,
         list(prompt),
-        SamplingParams(max_tokens=1000),
+        SamplingParams(max_tokens=max_tokens),
         eos_token_id=None,
         block_hasher=get_request_block_hasher(block_size),
     )
@@ -372,10 +378,10 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
             request = live[data.draw(st.sampled_from(sorted(live)))]
             held_by_all = set.intersection(*(set(ids) for ids in model.req_blocks.values()))
             expected_common = 0
-            while expected_common < len(model.req_blocks[request.request_id]) and (
+            while enable_caching and expected_common < len(model.req_blocks[request.request_id]) and (
                 model.req_blocks[request.request_id][expected_common] in held_by_all
             ):
-                expected_common += 1
+                expected_common += 1  # without caching nothing is shared by design: 0 (vLLM v0.11.0)
             assert manager.get_num_common_prefix_blocks(request, len(live)) == [expected_common]
         check_invariants(manager, model, live)
 
@@ -435,10 +441,8 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     assert num_hit_tokens == 4 and ids_of(hits) == [1]
     longer = make_request("c", list(range(9)))
     assert manager.get_computed_blocks(longer)[1] == 8
-    stats = manager.make_prefix_cache_stats()
-    assert (stats.requests, stats.queries, stats.hits) == (3, 8 + 8 + 9, 4 + 8)
-    assert stats.hit_rate == pytest.approx(12 / 25)
-    assert manager.make_prefix_cache_stats().queries == 0
+    # Lookups change nothing, statistics included: the scheduler counts admissions.
+    assert manager.make_prefix_cache_stats() == PrefixCacheStats()
 
 
 @pytest.mark.ch03_t2
@@ -536,3 +540,61 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     manager.allocate_slots(make_request("filler", [50] * 8), 8)  # evicts B's copies, 3 and 2
     hits, num_hit_tokens = manager.get_computed_blocks(longer)
     assert num_hit_tokens == 12 and ids_of(hits) == [1, 4, 5]
+
+
+# ----------------------------------------------------------------------------- ch03: statistics
+
+
+def run_to_completion(sched: Scheduler) -> list[PrefixCacheStats | None]:
+    """Step the scheduler (with the fake runner) until it is idle; each step's prefix-cache stats."""
+    runner = FakeModelRunner(sched.block_size)
+    per_step = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        stats = sched.update_from_output(so, runner.execute_model(so)).scheduler_stats
+        per_step.append(None if stats is None else stats.prefix_cache_stats)
+    return per_step
+
+
+@pytest.mark.ch03
+def test_prefix_cache_stats_count_an_admission_not_each_failed_attempt():
+    # 4 usable blocks. A (12 tokens, 3 blocks) is admitted and decodes into the 4th block.
+    # B shares A's first 2 blocks and needs 2 more: it cannot be admitted until A is done,
+    # and looks the cache up at every step in between.
+    sched = make_scheduler(5, BLOCK_SIZE, budget=64, max_seqs=4, max_model_len=40, caching=True)
+    prompt_a = list(range(1, 13))
+    prompt_b = prompt_a[:8] + list(range(30, 38))
+    sched.add_request(make_request("a", prompt_a, max_tokens=3))
+    sched.add_request(make_request("b", prompt_b, max_tokens=1))
+    assert run_to_completion(sched) == [
+        PrefixCacheStats(requests=1, queries=12, hits=0),  # A admitted, B's first try fails
+        None,
+        None,
+        PrefixCacheStats(requests=1, queries=16, hits=8),  # B admitted: A's first 2 blocks hit
+    ]
+
+
+@pytest.mark.ch03
+def test_prefix_cache_stats_count_a_resumed_request_again():
+    # As vLLM v0.11.0: a request resumed after preemption looks its prompt and outputs up
+    # again, and that lookup counts. 6 usable blocks: a and b take 3 each; a's first
+    # decode needs a 7th, so b is preempted, its blocks freed tail first, and a's new
+    # block is b's last one. b comes back with 13 tokens and finds its first 2 blocks.
+    sched = make_scheduler(7, BLOCK_SIZE, budget=64, max_seqs=4, max_model_len=20, caching=True)
+    for rid, token in (("a", 1), ("b", 2)):
+        sched.add_request(make_request(rid, [token] * 12, max_tokens=4))
+    b = sched.requests["b"]
+    admissions = [stats for stats in run_to_completion(sched) if stats is not None]
+    assert b.num_preemptions == 1
+    assert admissions == [
+        PrefixCacheStats(requests=2, queries=24, hits=0),
+        PrefixCacheStats(requests=1, queries=13, hits=8),
+    ]
+
+
+@pytest.mark.ch03
+def test_prefix_cache_stats_are_empty_with_caching_off():
+    sched = make_scheduler(64, BLOCK_SIZE, budget=64, max_seqs=4, max_model_len=40, caching=False)
+    for rid in "ab":
+        sched.add_request(make_request(rid, list(range(1, 13)), max_tokens=2))
+    assert set(run_to_completion(sched)) == {None}

@@ -15,6 +15,7 @@ import torch
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.metrics.reader import Counter
 
 pytestmark = pytest.mark.ch01
 
@@ -105,6 +106,84 @@ def test_prefix_caching_off_reports_no_hits(tiny_qwen3):
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in again)
+
+
+def shared_prefix_prompts(seed: int, block_size: int = 16) -> list[list[int]]:
+    """Prompts that hit 0, some or all of a 3-block shared prefix, repeat, or miss entirely."""
+    rng = random.Random(seed)
+
+    def own(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    prefix = own(3 * block_size)
+    repeated = prefix + own(20)
+    return [prefix + own(5), repeated, prefix[: 2 * block_size], repeated, own(30), prefix[:20] + own(10)]
+
+
+def expected_prefix_cache_hits(prompts: list[list[int]], block_size: int) -> list[int]:
+    """Brute force: the tokens each prompt finds cached when each runs after the ones before it.
+
+    A cached block is named by every token up to its end (what its chain hash stands for);
+    a prompt that ran leaves its full blocks cached. A prompt hits its leading blocks up
+    to the first one never cached, at most (len - 1) // block_size blocks: the last
+    prompt token is always computed.
+    """
+    cached: set[tuple[int, ...]] = set()
+    hits = []
+    for prompt in prompts:
+        num_blocks = 0
+        while (
+            num_blocks < (len(prompt) - 1) // block_size
+            and tuple(prompt[: (num_blocks + 1) * block_size]) in cached
+        ):
+            num_blocks += 1
+        hits.append(num_blocks * block_size)
+        cached.update(tuple(prompt[: (i + 1) * block_size]) for i in range(len(prompt) // block_size))
+    return hits
+
+
+def prefix_cache_counters(llm: LLM) -> tuple[int, int]:
+    """(`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`) from `LLM.get_metrics()`."""
+    counters = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
+    return counters["vllm:prefix_cache_queries"], counters["vllm:prefix_cache_hits"]
+
+
+@pytest.mark.ch03
+def test_prefix_cache_metrics_count_each_request_once_in_tokens(tiny_qwen3):
+    prompts = shared_prefix_prompts(7)
+    expected_hits = expected_prefix_cache_hits(prompts, 16)
+    # The first misses; the next hits the shared prefix; one of exactly 2 prefix blocks
+    # recomputes its last; the repeat hits all its full blocks; one shares no block; and
+    # one shares 20 tokens, so 1 block.
+    assert expected_hits == [0, 48, 16, 64, 0, 16]
+    # One step admits them all, in order (the budget holds every prompt), and a prompt's
+    # blocks are cached when it is scheduled: each finds those of the prompts before it.
+    # One output token each: no generated token fills a block.
+    llm = LLM(model=tiny_qwen3, dtype="float32", block_size=16, max_num_batched_tokens=1024)
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], one_token, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == expected_hits
+    assert prefix_cache_counters(llm) == (sum(map(len, prompts)), sum(expected_hits))
+
+    # reset_prefix_cache forgets the blocks, not the counts: vLLM's counters only grow.
+    queries, hits = prefix_cache_counters(llm)
+    assert llm.llm_engine.engine_core.call_utility("reset_prefix_cache")
+    for expected_hit in (0, 64):  # the repeated prompt misses right after the reset, then hits
+        llm.generate({"prompt_token_ids": prompts[1]}, one_token, use_tqdm=False)
+        queries, hits = queries + len(prompts[1]), hits + expected_hit
+        assert prefix_cache_counters(llm) == (queries, hits)
+
+
+@pytest.mark.ch03
+def test_prefix_cache_metrics_ignore_admissions_that_failed(tiny_qwen3):
+    # 4 usable blocks of 16 and prompts of 3 blocks: one request at a time. Each waiting
+    # prompt looks the cache up every step until it is admitted; it is counted once.
+    llm = LLM(model=tiny_qwen3, dtype="float32", block_size=16, max_model_len=64, num_gpu_blocks_override=5)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(40)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert prefix_cache_counters(llm) == (3 * 40, 0)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_qwen3):

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_checkpoint
+from conftest import make_tiny_checkpoint, make_vllm_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
@@ -25,7 +25,6 @@ from nano_v1.benchmarks.roofline import (
     step_cost,
     workload_cost,
 )
-from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -43,11 +42,11 @@ QWEN3_0_6B = ModelShape(28, 1024, 16, 8, 128, 3072, 151936, tie_word_embeddings=
 def tiny_engine_config(request, tmp_path_factory):
     arch, tied = request.param
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, tie_word_embeddings=tied)
-    return EngineArgs(model=path, load_format="dummy", device="cpu", max_model_len=256).create_engine_config()
+    return make_vllm_config(path, load_format="dummy", max_model_len=256)
 
 
 def test_shipped_configs_have_the_published_shapes():
-    from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
+    from nano_v1.benchmarks.utils import CONFIGS_DIR
 
     assert ModelShape.from_pretrained(CONFIGS_DIR / "qwen3-0.6b") == QWEN3_0_6B
     shape_4b = ModelShape.from_pretrained(CONFIGS_DIR / "qwen3-4b")

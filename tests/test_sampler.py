@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import make_sampling_metadata
 
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.sampler import Sampler, apply_top_k_top_p
@@ -13,26 +14,6 @@ from nano_v1.sample.sampler import Sampler, apply_top_k_top_p
 pytestmark = pytest.mark.ch01
 
 VOCAB = 64
-
-
-def metadata(
-    temperature: list[float],
-    top_p: list[float] | None = None,
-    top_k: list[int] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
-    max_num_logprobs: int | None = None,
-) -> SamplingMetadata:
-    """Metadata as the persistent batch builds it: greedy rows carry temperature 0."""
-    greedy = [t == 0.0 for t in temperature]
-    return SamplingMetadata(
-        temperature=None if all(greedy) else torch.tensor(temperature),
-        all_greedy=all(greedy),
-        all_random=not any(greedy),
-        top_p=None if top_p is None else torch.tensor(top_p),
-        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
-        generators=generators or {},
-        max_num_logprobs=max_num_logprobs,
-    )
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -50,17 +31,21 @@ def test_seeded_rows_reproduce_across_batch_compositions():
     alone, in_batch, other_seed = [], [], []
     gen_alone, gen_batch, gen_other = seeded(42), seeded(42), seeded(43)
     for step in range(30):
-        alone += sample(row[None], metadata([0.9], top_p=[0.95], top_k=[40], generators={0: gen_alone}))
+        alone += sample(
+            row[None], make_sampling_metadata([0.9], top_p=[0.95], top_k=[40], generators={0: gen_alone})
+        )
         # Same request at a different row, among greedy, unseeded and differently seeded rows.
         logits = torch.cat([other[:3], row[None], other[3:]])
-        md = metadata(
+        md = make_sampling_metadata(
             [0.0, 1.0, 0.7, 0.9, 1.3, 0.0],
             top_p=[1.0, 0.8, 1.0, 0.95, 0.9, 1.0],
             top_k=[VOCAB, 5, VOCAB, 40, 10, VOCAB],
             generators={3: gen_batch, 4: seeded(step)},
         )
         in_batch.append(sample(logits, md)[3])
-        other_seed += sample(row[None], metadata([0.9], top_p=[0.95], top_k=[40], generators={0: gen_other}))
+        other_seed += sample(
+            row[None], make_sampling_metadata([0.9], top_p=[0.95], top_k=[40], generators={0: gen_other})
+        )
     assert alone == in_batch
     assert len(set(alone)) > 5  # the draws really vary ...
     assert alone != other_seed  # ... and depend on the seed
@@ -70,16 +55,16 @@ def test_top_k_1_and_tiny_temperature_equal_greedy():
     torch.manual_seed(1)
     logits = torch.randn(32, VOCAB) * 3
     argmax = logits.argmax(-1).tolist()
-    assert sample(logits, metadata([1.0] * 32, top_k=[1] * 32)) == argmax
+    assert sample(logits, make_sampling_metadata([1.0] * 32, top_k=[1] * 32)) == argmax
     # Greedy rows (temperature 0) give exactly the argmax even among random rows.
     temperature = [0.0 if i % 2 else 1.5 for i in range(32)]
-    mixed = sample(logits, metadata(temperature))
+    mixed = sample(logits, make_sampling_metadata(temperature))
     assert [mixed[i] for i in range(1, 32, 2)] == [argmax[i] for i in range(1, 32, 2)]
     assert [mixed[i] for i in range(0, 32, 2)] != [argmax[i] for i in range(0, 32, 2)]
     # A temperature just above the greedy cut-off goes through the random path and still
     # lands on the argmax once the top logit leads by 0.1: the runner-up has odds e^-100.
     logits[torch.arange(32), logits.argmax(-1)] += 0.1
-    assert sample(logits, metadata([1e-3] * 32)) == argmax
+    assert sample(logits, make_sampling_metadata([1e-3] * 32)) == argmax
 
 
 def direct_kept_set(row: list[float], k: int | None, p: float | None) -> set[int] | None:
@@ -138,7 +123,7 @@ def test_sampled_frequencies_match_probabilities(temperature, top_k, top_p):
 
     n = 20_000
     torch.manual_seed(3)
-    md = metadata(
+    md = make_sampling_metadata(
         [temperature] * n,
         top_p=None if top_p is None else [top_p] * n,
         top_k=None if top_k is None else [top_k] * n,
@@ -155,7 +140,9 @@ def test_sampled_frequencies_match_probabilities(temperature, top_k, top_p):
 def test_logprobs_are_log_softmax_of_raw_logits():
     torch.manual_seed(4)
     logits = torch.randn(6, VOCAB) * 2
-    md = metadata([0.0, 0.5, 1.0, 2.0, 0.0, 1.0], top_k=[VOCAB, 3, VOCAB, 10, VOCAB, 1], max_num_logprobs=4)
+    md = make_sampling_metadata(
+        [0.0, 0.5, 1.0, 2.0, 0.0, 1.0], top_k=[VOCAB, 3, VOCAB, 10, VOCAB, 1], max_num_logprobs=4
+    )
     out = Sampler()(logits, md)
     sampled = out.sampled_token_ids.view(-1)
     reference = torch.log_softmax(logits.double(), -1)

@@ -12,14 +12,12 @@ drafts (right or wrong) and verifies them exactly, as speculative decoding does 
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
+from conftest import make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_cache_configs import full_attention_kv_cache_config
 
-from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
@@ -131,29 +129,6 @@ class FakeModelRunner:
         return draft_token_ids
 
 
-def make_scheduler(
-    num_blocks, block_size, budget, max_seqs, max_model_len, caching, chunked=True, policy="fcfs", num_spec_tokens=0,
-    kv_cache_config=None,
-):
-    config = VllmConfig.__new__(VllmConfig)
-    config.cache_config = CacheConfig(
-        block_size=block_size, enable_prefix_caching=caching, num_gpu_blocks=num_blocks
-    )
-    config.scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_seqs,
-        enable_chunked_prefill=chunked,
-        policy=policy,
-    )
-    # The scheduler reads only max_model_len from the model's config: no checkpoint needed.
-    config.model_config = types.SimpleNamespace(max_model_len=max_model_len)
-    config.device_config = DeviceConfig("cpu")
-    if num_spec_tokens:
-        config.speculative_config = SpeculativeConfig(num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1)
-    # One full-attention KV cache group unless the test brings its own (chapter 12).
-    return Scheduler(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
-
-
 def check_kv_invariants(sched: Scheduler) -> None:
     manager = sched.kv_cache_manager
     holders: dict[int, int] = {}
@@ -231,14 +206,20 @@ def make_requests(rng: random.Random, num: int, block_size: int, max_prompt: int
     caching=st.booleans(),
     abort_prob=st.sampled_from([0.0, 0.1]),
     policy=st.sampled_from(["fcfs", "priority"]),
+    reserve_full_isl=st.booleans(),
 )
-def test_scheduler_invariants_and_outputs(seed, block_size, budget, max_seqs, caching, abort_prob, policy):
+def test_scheduler_invariants_and_outputs(
+    seed, block_size, budget, max_seqs, caching, abort_prob, policy, reserve_full_isl
+):
     rng = random.Random(seed)
     max_prompt, max_out = 40, 12
     max_model_len = 3 * 16 + max_prompt + max_out + 1
     # Between "one request at a time" and "plenty": small pools force preemption.
     num_blocks = rng.randint(max_model_len // block_size + 2, 3 * max_model_len // block_size + 2)
-    sched = make_scheduler(num_blocks, block_size, budget, max_seqs, max_model_len, caching, policy=policy)
+    sched = make_scheduler(
+        num_blocks, block_size, budget, max_seqs, max_model_len, caching, policy=policy,
+        reserve_full_isl=reserve_full_isl,
+    )  # fmt: skip
     requests = make_requests(rng, rng.randint(1, 12), block_size, max_prompt, max_out, shared=True)
     for r in requests:
         r.priority = rng.randint(0, 2)
@@ -289,6 +270,41 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
     sched.update_from_output(so, runner.execute_model(so))
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_lets_smaller_ones_pass():
+    """vLLM v0.11.0 skips a whole prompt larger than the budget left and admits those behind it."""
+    sched = make_scheduler(64, 4, budget=10, max_seqs=4, max_model_len=100, caching=False, chunked=False)
+    for rid, n in (("a", 4), ("b", 9), ("c", 5), ("d", 9)):
+        sched.add_request(Request(rid, [1] * n, SamplingParams(max_tokens=3, ignore_eos=True), None))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 4, "c": 5}  # b and d wait; c fits in the 6 left
+    # The skipped ones go back to the front, in v0.11.0's order (the last skipped first).
+    assert [r.request_id for r in sched.waiting] == ["d", "b"]
+
+
+def test_full_prompt_admission_gate():
+    """scheduler_reserve_full_isl: a prompt is admitted only if the cache holds all of it.
+
+    10 usable blocks of 4 tokens. "a" (16 prompt tokens) prefills in two steps and then
+    decodes into a 5th block, leaving 5 free. "b" has a 30-token prompt (8 blocks): its
+    first chunk, the 9 tokens the budget has left, fits in 3 blocks; its whole prompt does not.
+    """
+    for gate, admitted in ((False, True), (True, False)):
+        sched = make_scheduler(11, 4, budget=10, max_seqs=4, max_model_len=40, caching=False, reserve_full_isl=gate)
+        runner = FakeModelRunner(4)
+        sched.add_request(Request("a", [1] * 16, SamplingParams(max_tokens=8, ignore_eos=True), None))
+        for _ in range(2):
+            so = sched.schedule()
+            sched.update_from_output(so, runner.execute_model(so))
+        sched.add_request(Request("b", [2] * 30, SamplingParams(max_tokens=2, ignore_eos=True), None))
+        so = sched.schedule()
+        assert ("b" in so.num_scheduled_tokens) == admitted, gate
+        free_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        if admitted:
+            assert so.num_scheduled_tokens == {"a": 1, "b": 9} and free_blocks == 2
+        else:
+            assert so.num_scheduled_tokens == {"a": 1} and free_blocks == 5  # b took nothing
 
 
 def test_preemption_sends_victim_to_head_of_queue_and_recomputes():

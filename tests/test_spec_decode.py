@@ -15,10 +15,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import make_sampling_metadata, make_scheduler, make_vllm_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_llm import hf_greedy
-from test_scheduler import make_requests, make_scheduler, reference_output, run_workload
+from test_scheduler import make_requests, reference_output, run_workload
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.benchmarks.gpu_suite import SuiteContext
@@ -28,12 +29,10 @@ from nano_v1.benchmarks.spec_decode import (
     verify_cost_sweep,
 )
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
-from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.entrypoints import cli
 from nano_v1.metrics.reader import Counter, spec_decoding_stats_from_metrics
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
-from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nano_v1.sample.sampler import random_sample
 from nano_v1.spec_decode.metadata import SpecDecodeMetadata
@@ -87,19 +86,6 @@ def spec_metadata(drafts: list[list[int]]) -> SpecDecodeMetadata:
     )
 
 
-def sampling_md(temperature: list[float], top_k: list[int] | None = None, generators=None) -> SamplingMetadata:
-    greedy = [t == 0.0 for t in temperature]
-    return SamplingMetadata(
-        temperature=None if all(greedy) else torch.tensor(temperature),
-        all_greedy=all(greedy),
-        all_random=not any(greedy),
-        top_p=None,
-        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
-        generators=generators or {},
-        max_num_logprobs=None,
-    )
-
-
 def test_greedy_rows_keep_drafts_while_they_equal_the_argmax():
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -120,7 +106,9 @@ def test_greedy_rows_keep_drafts_while_they_equal_the_argmax():
         # Odd rows are sampled rows in the same batch: greedy rows must not care.
         temperature.append(0.0 if r % 2 == 0 else 1.0)
         expected.append(out)
-    output = RejectionSampler()(spec_metadata(drafts), torch.cat(logits_rows), bonus, sampling_md(temperature))
+    output = RejectionSampler()(
+        spec_metadata(drafts), torch.cat(logits_rows), bonus, make_sampling_metadata(temperature)
+    )
     for r in range(0, num_reqs, 2):
         row = output[r].tolist()
         assert row[: len(expected[r])] == expected[r]
@@ -131,7 +119,7 @@ def test_greedy_rows_keep_drafts_while_they_equal_the_argmax():
         spec_metadata([drafts[i] for i in greedy]),
         torch.cat([logits_rows[i] for i in greedy]),
         bonus[greedy],
-        sampling_md([0.0] * len(greedy)),
+        make_sampling_metadata([0.0] * len(greedy)),
     )
     for row, i in zip(output.tolist(), greedy):
         assert row[: len(expected[i])] == expected[i]
@@ -187,7 +175,8 @@ def run_distribution_trial(sampler: RejectionSampler, drafts: list[int], tempera
     target_logits = logits.repeat(num_trials, 1)  # [2 * num_trials, vocab]
     bonus_p = torch.from_numpy(processed(P3, temperature, top_k))
     bonus = torch.multinomial(bonus_p, num_trials, replacement=True).to(torch.int32)[:, None]
-    md = sampling_md([temperature] * num_trials, None if top_k is None else [top_k] * num_trials)
+    top_ks = None if top_k is None else [top_k] * num_trials
+    md = make_sampling_metadata([temperature] * num_trials, top_k=top_ks)
     return sampler(spec_metadata([drafts] * num_trials), target_logits, bonus, md).numpy()
 
 
@@ -247,7 +236,7 @@ def test_seeded_request_does_not_depend_on_the_batch():
                 spec_metadata(all_drafts),
                 logits,
                 torch.zeros(batch + 1, 1, dtype=torch.int32),
-                sampling_md(temperature, generators={position: generator}),
+                make_sampling_metadata(temperature, generators={position: generator}),
             )
             outputs.append(out[position].tolist())
         return outputs
@@ -380,10 +369,11 @@ def test_greedy_speculation_on_the_demo_model_keeps_outputs_and_gains_tokens_per
     assert stats.mean_acceptance_length > 1.3, stats
 
 
-def test_metrics_are_vllms_names_and_empty_without_speculation(tiny_qwen3):
+def test_metrics_are_vllms_names_and_absent_without_speculation(tiny_qwen3):
     llm, _ = run_engine(tiny_qwen3, repetitive_prompts(1)[:1], {"num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    prefix_cache_names = ["vllm:prefix_cache_queries", "vllm:prefix_cache_hits"]
     names = [m.name for m in llm.get_metrics()]
-    assert names == [
+    assert names == prefix_cache_names + [
         "vllm:spec_decode_num_drafts",
         "vllm:spec_decode_num_draft_tokens",
         "vllm:spec_decode_num_accepted_tokens",
@@ -391,7 +381,8 @@ def test_metrics_are_vllms_names_and_empty_without_speculation(tiny_qwen3):
     ]
     counters = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
     assert counters["vllm:spec_decode_num_draft_tokens"] <= 2 * counters["vllm:spec_decode_num_drafts"]
-    assert run_engine(tiny_qwen3, repetitive_prompts(1)[:1], None)[0].get_metrics() == []
+    without = run_engine(tiny_qwen3, repetitive_prompts(1)[:1], None)[0]
+    assert [m.name for m in without.get_metrics()] == prefix_cache_names
 
 
 @pytest.mark.parametrize(
@@ -406,7 +397,7 @@ def test_metrics_are_vllms_names_and_empty_without_speculation(tiny_qwen3):
 )
 def test_bad_speculative_config_is_a_value_error(tiny_qwen3, config, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs(model=tiny_qwen3, speculative_config=config).create_engine_config()
+        make_vllm_config(tiny_qwen3, speculative_config=config)
 
 
 # ---------------------------------------------------------------- the benchmark, at smoke sizes

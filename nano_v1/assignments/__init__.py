@@ -25,7 +25,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-# The repository around the nano_v1 package this module was imported from.
+# The repository around the nano_v1 package this module was imported from. Only a source
+# checkout has one: installed from a wheel, this is site-packages (`check_source_checkout`).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _BEGIN_RE = re.compile(r"(?P<indent>[ \t]*)# BEGIN TASK (?P<task_id>ch\d\d_t\d+): (?P<hint>\S.*?)\s*")
@@ -120,6 +121,15 @@ def parse_task_regions(text: str, path: str) -> list[Task]:
     if open_begin is not None:
         raise TaskRegionError(f"{path}:{begin_line}: task {open_begin['task_id']} has no '# END TASK'")
     return tasks
+
+
+def check_source_checkout(root: Path) -> None:
+    """Raise ValueError unless `root` holds the tests that assignments copy and run."""
+    if not (root / "tests").is_dir():
+        raise ValueError(
+            "the assignments need a source checkout of nano_v1 (git clone the repository, then "
+            f"pip install -e . in it): {root} has no tests/ directory"
+        )
 
 
 def find_tasks(root: Path = REPO_ROOT) -> list[Task]:

@@ -22,6 +22,7 @@ from nano_v1.assignments import (
     ASSIGNMENT_FILE,
     REPO_ROOT,
     TaskRegionError,
+    check_source_checkout,
     find_tasks,
     make_student_copy,
     select_tasks,
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        check_source_checkout(REPO_ROOT)
         tasks = find_tasks(REPO_ROOT)
         if args.command == "list":
             width = max((len(f"{t.path}:{t.begin_line}") for t in tasks), default=0)

@@ -7,7 +7,8 @@ launching kernels, not by the GPU running them, and that graphing everything bet
 attention calls (PIECEWISE) recovers most of what graphing the whole step (FULL) does. So
 for each mode, one engine on the same shape and weights measures, per batch size:
   - the decode-step latency (`LLMEngine.step()`, and the model runner inside it);
-  - the host time of the forward call alone: launching, without waiting for the GPU;
+  - the host time of the forward call alone (`StepTiming.forward_s`): launching, without
+    waiting for the GPU, since nothing in a forward pass waits for it;
   - at one batch size, under torch.profiler, the kernels the host launched one by one,
     the graphs it replayed, and the kernels the GPU ran;
 and the end-to-end throughput of a small `LLM.generate` workload. Ratios compare modes
@@ -18,7 +19,6 @@ eager model with the split-and-compiled one (the host cost of the split path its
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import statistics
 import time
@@ -29,9 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from nano_v1.benchmarks.gpu_suite import SuiteContext, max_warm_up_steps, time_decode_steps
 from nano_v1.benchmarks.throughput import time_llm_generate
-from nano_v1.benchmarks.utils import sample_random_requests
+from nano_v1.benchmarks.utils import (
+    SuiteContext,
+    max_warm_up_steps,
+    sample_random_requests,
+    time_decode_steps,
+)
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Engine arguments of each mode. FULL_AND_PIECEWISE: a pure decode step is one full graph.
@@ -44,31 +48,10 @@ CPU_MODES: dict[str, dict[str, Any]] = {"eager": {}, "split": {"compilation_conf
 # The host calls that launch one kernel each, and the one that launches a whole graph.
 KERNEL_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 GRAPH_LAUNCH_API = "cudaGraphLaunch"
-# The goals of GOALS.md at batch sizes <= 16: piecewise >= 2x eager, full <= 1.3x faster than piecewise.
+# The goals, for a decode step of the Qwen3-0.6B shape at batch sizes up to 16: piecewise
+# graphs at least 2x faster than eager, and a full graph at most 1.3x faster than piecewise.
 GOAL_BATCH_SIZE = 16
-
-
-class LaunchTimer:
-    """Stands in for the model runner's model and times each forward call on the host.
-
-    The call returns as soon as its kernels are queued (nothing in a forward pass waits for
-    the GPU), so this is the host's launch cost; `compute_logits` and the rest pass through.
-    """
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.seconds: list[float] = []
-
-    def __call__(self, *args: Any) -> Any:
-        start = time.perf_counter()
-        output = self.model(*args)
-        self.seconds.append(time.perf_counter() - start)
-        return output
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
+GOAL = {"min_eager_over_piecewise_at_small_batch": 2.0, "max_piecewise_over_full_at_small_batch": 1.3}
 
 
 def count_launches(step: Callable[[], Any]) -> dict[str, int]:
@@ -97,9 +80,9 @@ def measure_mode(
     throughput_requests: list | None = None,
     time_left: Callable[[], float] = lambda: float("inf"),
 ) -> dict[str, Any]:
-    """One engine (an `LLM`) in its mode: decode-step rows per batch size, launches, throughput."""
+    """One engine (an `LLM`, its engine core in this process) in its mode: decode-step rows per batch size,
+    launches, throughput."""
     engine = llm.llm_engine
-    runner = engine.engine_core.engine_core.model_executor.model_runner
     vocab_size = engine.vllm_config.model_config.get_vocab_size()
     rng = np.random.default_rng(0)
     result: dict[str, Any] = {
@@ -107,41 +90,34 @@ def measure_mode(
         "compilation_level": engine.vllm_config.compilation_config.level,
         "rows": [],
     }
-    timer = runner.model = LaunchTimer(runner.model)
-    try:
-        for batch_size in batch_sizes:
-            rows = result["rows"]
-            if rows and time_left() < 3 * rows[-1]["wall_s"]:
-                result["truncated"] = f"stopped before batch size {batch_size}: the time cap was near"
-                break
-            row_start = time.perf_counter()
-            prompts = rng.integers(0, vocab_size, (batch_size, context_len)).tolist()
-            host_s: list[float] = []
+    for batch_size in batch_sizes:
+        rows = result["rows"]
+        if rows and time_left() < 3 * rows[-1]["wall_s"]:
+            result["truncated"] = f"stopped before batch size {batch_size}: the time cap was near"
+            break
+        row_start = time.perf_counter()
+        prompts = rng.integers(0, vocab_size, (batch_size, context_len)).tolist()
 
-            def after_timed_steps(batch_size: int = batch_size, host_s: list[float] = host_s) -> None:
-                host_s.extend(timer.seconds[-num_steps:])
-                if batch_size == profile_batch_size:
-                    result["launches"] = {"batch_size": batch_size, **count_launches(engine.step)}
+        def after_timed_steps(batch_size: int = batch_size) -> None:
+            if batch_size == profile_batch_size:
+                result["launches"] = {"batch_size": batch_size, **count_launches(engine.step)}
 
-            step_s, runner_s = time_decode_steps(engine, prompts, num_steps, after_timed_steps=after_timed_steps)
-            timer.seconds.clear()
-            rows.append(
-                {
-                    "batch_size": batch_size,
-                    "step_ms": 1e3 * statistics.median(step_s),
-                    "execute_model_ms": 1e3 * statistics.median(runner_s),
-                    "forward_host_ms": 1e3 * statistics.median(host_s),
-                    "wall_s": time.perf_counter() - row_start,
-                }
-            )
-        if throughput_requests:
-            run = time_llm_generate(llm, throughput_requests)
-            result["throughput"] = {
-                "elapsed_s": run.elapsed_s,
-                "output_tokens_per_s": run.num_output_tokens / run.elapsed_s,
+        step_s, timings = time_decode_steps(engine, prompts, num_steps, after_timed_steps=after_timed_steps)
+        rows.append(
+            {
+                "batch_size": batch_size,
+                "step_ms": 1e3 * statistics.median(step_s),
+                "execute_model_ms": 1e3 * statistics.median(t.execute_model_s for t in timings),
+                "forward_host_ms": 1e3 * statistics.median(t.forward_s for t in timings),
+                "wall_s": time.perf_counter() - row_start,
             }
-    finally:
-        runner.model = timer.model
+        )
+    if throughput_requests:
+        run = time_llm_generate(llm, throughput_requests)
+        result["throughput"] = {
+            "elapsed_s": run.elapsed_s,
+            "output_tokens_per_s": run.num_output_tokens / run.elapsed_s,
+        }
     return result
 
 
@@ -173,8 +149,6 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     mode uses the Triton attention kernel where this checkout has it (FULL needs it, and
     the comparison must not change kernels between modes).
     """
-    from nano_v1 import LLM
-
     batch_sizes = [1, 2, 4] if ctx.smoke else BATCH_SIZES
     context_len, num_steps = (32, 2) if ctx.smoke else (128, 10)
     model_dir = ctx.model_dir("qwen3-0.6b")
@@ -186,7 +160,7 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     # The Triton kernel in every mode (FULL graphs need it); TRITON_ATTN so no mode cascades.
     base["attention_backend"] = "TRITON_ATTN"
     assert (
-        context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2
+        context_len + max_warm_up_steps(max(batch_sizes), context_len, ctx.max_num_batched_tokens) + num_steps + 2
         <= base["max_model_len"]
     )
     vocab_size = ctx.engine_args(model_dir).create_engine_config().model_config.get_vocab_size()
@@ -201,7 +175,7 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
                 "cudagraph_capture_sizes": batch_sizes,
             }
         start = time.perf_counter()
-        llm = LLM(**dataclasses.asdict(ctx.engine_args(model_dir, **base, **overrides)))
+        llm = ctx.llm(model_dir, **base, **overrides)
         startup_s = time.perf_counter() - start  # Dynamo's trace and the graph captures included
         results[mode] = {
             "startup_s": startup_s,
@@ -231,10 +205,7 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     }
     small = [str(b) for b in batch_sizes if b <= GOAL_BATCH_SIZE]
     summary = {
-        "goals": {
-            "min_eager_over_piecewise_at_small_batch": 2.0,
-            "max_piecewise_over_full_at_small_batch": 1.3,
-        },
+        "goals": dict(GOAL),
         "min_eager_over_piecewise_at_small_batch": min(
             ratios["eager/piecewise"].get(b, np.nan) for b in small
         ),

@@ -21,17 +21,16 @@ and run in registration order. One that raises is recorded with its traceback; o
 passes its cap is interrupted (SIGALRM) and recorded as timed out, with whatever it put
 in `ctx.partial`; either way the suite goes on. `needs_cuda` ones are skipped on a CPU.
 Models are built from the configs in `benchmarks/configs/` with dummy weights
-(`load_format="dummy"`): real shapes, random values, no checkpoint to download.
+(`load_format="dummy"`): real shapes, random values, no checkpoint to download. Every
+engine keeps its core in this process (`SuiteContext.llm`): the measurements time its
+worker, and the GPU image has no pyzmq or msgspec for an engine-core process.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
-import math
-import os
 import platform
 import signal
 import sys
@@ -41,39 +40,41 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 import torch
 
-from nano_v1.benchmarks.roofline import (
-    H200_DATASHEET,
-    DeviceCeilings,
-    ModelShape,
-    decode_step_cost,
-    measure_device_ceilings,
-    workload_cost,
+from nano_v1.benchmarks.attention_kernels import run_attention_kernels
+from nano_v1.benchmarks.cascade import run_grid
+from nano_v1.benchmarks.cuda_graphs import measure_cuda_graphs
+from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost, workload_cost
+from nano_v1.benchmarks.spec_decode import verify_cost_sweep
+from nano_v1.benchmarks.throughput import dummy_hf_model, run_generate_batch, time_llm_generate
+from nano_v1.benchmarks.utils import (
+    BenchRequest,
+    SuiteContext,
+    max_warm_up_steps,
+    sample_random_requests,
+    time_decode_steps,
+    write_json,
 )
-from nano_v1.benchmarks.throughput import run_generate_batch, run_nano_v1
-from nano_v1.benchmarks.utils import BenchRequest, sample_random_requests, write_json, write_tiny_qwen3
-from nano_v1.engine.arg_utils import EngineArgs
-
-# The measurements time the in-process engine core's worker, and the GPU image has no
-# pyzmq/msgspec for the engine-core process (chapter 09).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from nano_v1.config import ModelConfig
 
 NAME = "gpu_suite"
-CONFIGS_DIR = Path(__file__).parent / "configs"
 # The whole suite on an H200: every cap below adds up to this, which leaves start-up and
 # model builds inside the 6 minutes the GPU session can spare.
 DEFAULT_TIME_BUDGET_S = 330.0
 SMOKE_TIME_BUDGET_S = 60.0
-# nano-vllm's benchmark, which GOALS.md's H200 goal is stated on.
+# nano-vllm's benchmark, which the H200 goals are stated on: 256 requests, prompt and output
+# lengths uniform in [100, 1024]. On it, with the Qwen3-0.6B shape, nano_v1 must reach at least
+# 20,000 output tokens/s, 3x transformers' `generate_batch` with CUDA graphs, and half of the
+# roofline (about 47,000 tokens/s at the H200's 4.8 TB/s).
 NUM_PROMPTS = 256
 LEN_RANGE = (100, 1024)
-MAX_NUM_BATCHED_TOKENS = 8192
+GOAL = {"output_tokens_per_s": 20_000, "ratio_vs_generate_batch": 3.0, "fraction_of_roofline": 0.5}
 
 
 class MeasurementTimeout(Exception):
@@ -107,53 +108,6 @@ def register(name: str, cap_s: float, needs_cuda: bool = False):
     return decorate
 
 
-@dataclass
-class SuiteContext:
-    """What a measurement may use: the device, the sizes (smoke or real), the clock, and earlier results."""
-
-    device: torch.device
-    smoke: bool
-    work_dir: Path  # scratch space (the smoke model's config.json)
-    num_prompts: int
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # finished measurements, by name
-    partial: dict[str, Any] = field(default_factory=dict)  # the running measurement's results so far
-    deadline: float = math.inf  # time.perf_counter() at which the running measurement is cut off
-    _ceilings: DeviceCeilings | None = None
-
-    @property
-    def on_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def time_left(self) -> float:
-        return self.deadline - time.perf_counter()
-
-    def ceilings(self) -> DeviceCeilings:
-        """The device's measured bandwidth and matmul rate, measured once per run."""
-        if self._ceilings is None:
-            self._ceilings = measure_device_ceilings(self.device, smoke=self.smoke)
-        return self._ceilings
-
-    def model_dir(self, config_name: str) -> str:
-        """A directory with the `config.json` of a shipped shape; in smoke mode, a tiny Qwen3 for every name."""
-        if not self.smoke:
-            return str(CONFIGS_DIR / config_name)
-        tiny = self.work_dir / "tiny-qwen3"
-        if not (tiny / "config.json").exists():
-            write_tiny_qwen3(tiny, weights=False)
-        return str(tiny)
-
-    def engine_args(self, model_dir: str, **overrides: Any) -> EngineArgs:
-        """nano_v1's engine arguments for a dummy-weight model on this device."""
-        kwargs: dict[str, Any] = {
-            "model": model_dir, "load_format": "dummy", "device": str(self.device), "seed": 0,
-            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        }
-        if self.smoke:
-            kwargs["kv_cache_memory_bytes"] = 64 << 20
-        kwargs.update(overrides)
-        return EngineArgs(**kwargs)
-
-
 # ---------------------------------------------------------------------------- measurements
 @register("ceilings", cap_s=15)
 def ceilings(ctx: SuiteContext) -> dict[str, Any]:
@@ -176,16 +130,13 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
     (schedule, model, update, output processing) and, inside it, the model runner's
     `execute_model` alone. A batch size that would not finish before the cap is skipped.
     """
-    from nano_v1 import LLM
-
     batch_sizes = [1, 2, 4] if ctx.smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256]
     context_len, num_steps = (32, 2) if ctx.smoke else (512, 20)
     model_dir = ctx.model_dir(config_name)
     shape = ModelShape.from_pretrained(model_dir)
-    max_model_len = context_len + max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2
-    llm = LLM(**dataclasses.asdict(ctx.engine_args(
-        model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
-    )))
+    max_warm_up = max_warm_up_steps(max(batch_sizes), context_len, ctx.max_num_batched_tokens)
+    llm = ctx.llm(model_dir, max_model_len=context_len + max_warm_up + num_steps + 2,
+                  max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
     engine = llm.llm_engine
     dtype_bytes = engine.vllm_config.model_config.dtype.itemsize
     rng = np.random.default_rng(0)
@@ -199,7 +150,8 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
             break
         start = time.perf_counter()
         prompts = rng.integers(0, shape.vocab_size, (batch_size, context_len)).tolist()
-        step_s, runner_s = time_decode_steps(engine, prompts, num_steps)
+        step_s, timings = time_decode_steps(engine, prompts, num_steps)
+        runner_s = [t.execute_model_s for t in timings]
         # Mid-way through the timed steps a context is about context_len + 2 warm-up tokens + num_steps / 2.
         floor_s = decode_step_cost(shape, batch_size, context_len + 2 + num_steps // 2, dtype_bytes).time_floor(ceilings)
         step_ms, runner_ms = 1e3 * float(np.median(step_s)), 1e3 * float(np.median(runner_s))
@@ -225,85 +177,6 @@ def decode_latency_sweep(ctx: SuiteContext, config_name: str) -> dict[str, Any]:
     }
 
 
-def max_warm_up_steps(batch_size: int, context_len: int) -> int:
-    """Steps until a batch is all decoding, at most: each step's budget prefills at least
-    `budget - batch_size` prompt tokens (running requests' decodes are scheduled first), and
-    two pure decode steps in a row confirm that prefill is over."""
-    return math.ceil(batch_size * context_len / (MAX_NUM_BATCHED_TOKENS - batch_size)) + 2
-
-
-def time_decode_steps(
-    engine,
-    prompts: list[list[int]],
-    num_steps: int,
-    *,
-    num_spec_tokens: int = 0,
-    after_timed_steps: Callable[[], None] | None = None,
-) -> tuple[list[float], list[float]]:
-    """Add one request per prompt, step until all decode, then time `num_steps` steps.
-
-    Returns the seconds of each whole `LLMEngine.step()` and of the worker's `execute_model`
-    inside it; the requests are aborted afterwards. Raises if a timed step was not a pure
-    decode step of the whole batch, each request verifying `num_spec_tokens` drafts
-    (speculative decoding, chapter 10) when that is not 0. `after_timed_steps` runs right
-    after the timed steps, while the batch still decodes (it may take one more step, e.g.
-    under a profiler).
-    """
-    from nano_v1 import SamplingParams
-
-    batch_size = len(prompts)
-    max_warm_up = max_warm_up_steps(batch_size, len(prompts[0]))
-    tokens_per_step = batch_size * (1 + num_spec_tokens)
-    # A request prefilled in the first step decodes through every later step, gaining up
-    # to 1 + num_spec_tokens tokens in each: enough tokens for all of them, and for one
-    # more step after the timed ones.
-    max_tokens = (max_warm_up + num_steps + 1) * (1 + num_spec_tokens) + 1
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    request_ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
-    for request_id, prompt in zip(request_ids, prompts):
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-
-    # The worker of the in-process engine core (InprocClient.engine_core): its execute_model
-    # is wrapped to time it and to see how many tokens each step scheduled.
-    worker = engine.engine_core.engine_core.model_executor
-    execute_model = worker.execute_model
-    step_s: list[float] = []
-    runner_s: list[float] = []
-    scheduled_tokens: list[int] = []
-
-    def timed_execute_model(scheduler_output):
-        t0 = time.perf_counter()
-        output = execute_model(scheduler_output)  # ends with the step's device -> host sync
-        runner_s.append(time.perf_counter() - t0)
-        scheduled_tokens.append(scheduler_output.total_num_scheduled_tokens)
-        return output
-
-    worker.execute_model = timed_execute_model
-    try:
-        for _ in range(max_warm_up):
-            engine.step()
-            if scheduled_tokens[-2:] == [tokens_per_step, tokens_per_step]:
-                break
-        runner_s.clear()
-        scheduled_tokens.clear()
-        for _ in range(num_steps):
-            t0 = time.perf_counter()
-            engine.step()
-            step_s.append(time.perf_counter() - t0)
-        del worker.execute_model  # back to the class's method
-        if after_timed_steps is not None:
-            after_timed_steps()
-    finally:
-        worker.__dict__.pop("execute_model", None)  # if a step raised before the del above
-        engine.abort_request(request_ids)
-    if scheduled_tokens != [tokens_per_step] * num_steps:
-        raise RuntimeError(
-            f"batch size {batch_size}: the timed steps scheduled {scheduled_tokens} tokens, not {tokens_per_step} "
-            "each: they were not all pure decode steps of the whole batch."
-        )
-    return step_s, runner_s
-
-
 @register("decode_latency", cap_s=30)
 def decode_latency(ctx: SuiteContext) -> dict[str, Any]:
     """Decode-step latency vs batch size (1-256), Qwen3-0.6B shape, context 512, against the roofline."""
@@ -319,8 +192,6 @@ def decode_latency_qwen3_4b(ctx: SuiteContext) -> dict[str, Any]:
 @register("attention_kernels", cap_s=30, needs_cuda=True)
 def attention_kernels(ctx: SuiteContext) -> dict[str, Any]:
     """Triton paged attention vs gather+SDPA, prefill/decode/mixed batches, Qwen3-0.6B attention shape."""
-    from nano_v1.benchmarks.attention_kernels import run_attention_kernels
-
     return run_attention_kernels(ctx.device, ctx.ceilings(), smoke=ctx.smoke)
 
 
@@ -377,11 +248,10 @@ def _predicted_seconds(num_prompts: int, lens: tuple[int, int], out_lens: tuple[
 
 
 def _throughput_report(ctx: SuiteContext, engine: str, result, workload: dict[str, Any],
-                       requests: list[BenchRequest], engine_args: EngineArgs) -> dict[str, Any]:
+                       requests: list[BenchRequest], model_config: ModelConfig) -> dict[str, Any]:
     """An engine's throughput with the workload's roofline: the fastest any engine could run it here."""
-    model_config = engine_args.create_engine_config().model_config
     cost = workload_cost(ModelShape.from_config(model_config), [r.prompt_len for r in requests],
-                         [r.output_len for r in requests], MAX_NUM_BATCHED_TOKENS, model_config.dtype.itemsize)
+                         [r.output_len for r in requests], ctx.max_num_batched_tokens, model_config.dtype.itemsize)
     floor_s = cost.time_floor(ctx.ceilings())
     summary = result.summary(cost.total_flops)
     return {
@@ -399,9 +269,9 @@ def throughput_nano_v1(ctx: SuiteContext) -> dict[str, Any]:
     model_dir = ctx.model_dir("qwen3-0.6b")
     requests, workload = throughput_workload(ctx, ModelShape.from_pretrained(model_dir).vocab_size)
     ctx.partial["workload"] = workload
-    engine_args = ctx.engine_args(model_dir, max_model_len=workload["input_len_range"][1] + workload["output_len_range"][1])
-    result = run_nano_v1(engine_args, requests)
-    return _throughput_report(ctx, "nano_v1", result, workload, requests, engine_args)
+    llm = ctx.llm(model_dir, max_model_len=workload["input_len_range"][1] + workload["output_len_range"][1])
+    result = time_llm_generate(llm, requests)
+    return _throughput_report(ctx, "nano_v1", result, workload, requests, llm.llm_engine.vllm_config.model_config)
 
 
 @register("throughput_qwen3_0.6b.generate_batch", cap_s=60)
@@ -410,43 +280,28 @@ def throughput_generate_batch(ctx: SuiteContext) -> dict[str, Any]:
     model_dir = ctx.model_dir("qwen3-0.6b")
     requests, workload = throughput_workload(ctx, ModelShape.from_pretrained(model_dir).vocab_size)
     ctx.partial["workload"] = workload
-    engine_args = ctx.engine_args(model_dir)
-    model = dummy_hf_model(model_dir, engine_args.create_engine_config().model_config.dtype, ctx.device)
-    result = run_generate_batch(model, requests, MAX_NUM_BATCHED_TOKENS, use_cuda_graph=True if ctx.on_cuda else None)
-    return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, engine_args)
+    model_config = ctx.engine_args(model_dir).create_engine_config().model_config
+    model = dummy_hf_model(model_dir, model_config.dtype, ctx.device)
+    result = run_generate_batch(model, requests, ctx.max_num_batched_tokens,
+                                use_cuda_graph=True if ctx.on_cuda else None)
+    return _throughput_report(ctx, "transformers generate_batch", result, workload, requests, model_config)
 
 
 @register("cuda_graphs", cap_s=55, needs_cuda=True)
 def cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     """Decode-step latency, kernel launches and host time per step: eager vs piecewise vs full CUDA graphs."""
-    from nano_v1.benchmarks.cuda_graphs import measure_cuda_graphs
-
     return measure_cuda_graphs(ctx)
 
 
 @register("spec_decode_verify_cost", cap_s=25, needs_cuda=True)
 def spec_decode_verify_cost(ctx: SuiteContext) -> dict[str, Any]:
     """Step time verifying 1 + k tokens per request vs a plain decode step (0.6B shape), and the break-even acceptance rate."""
-    from nano_v1.benchmarks.spec_decode import verify_cost_sweep
-
     return verify_cost_sweep(ctx)
-
-
-def dummy_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
-    """The transformers model of a config.json, randomly initialised directly on `device` (no checkpoint)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
 
 
 @register("cascade_attention", cap_s=35, needs_cuda=True)
 def cascade_attention(ctx: SuiteContext) -> dict[str, Any]:
     """Cascade vs plain attention (Triton), Qwen3-0.6B attention, prefix 1k-32k x batch 8-256 x suffix 128/1024."""
-    from nano_v1.benchmarks.cascade import run_grid
-
     return run_grid(ctx.device, smoke=ctx.smoke, rows=ctx.partial.setdefault("rows", []))
 
 
@@ -510,12 +365,10 @@ def run_measurement(measurement: Measurement, ctx: SuiteContext, cap_s: float) -
 
 
 def summarize(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The headline figures of GOALS.md's H200 row, from whichever measurements succeeded."""
+    """The headline figures against the H200 goals (`GOAL`), from whichever measurements succeeded."""
     ours = records.get("throughput_qwen3_0.6b", {})
     peer = records.get("throughput_qwen3_0.6b.generate_batch", {})
-    summary: dict[str, Any] = {
-        "goals": {"output_tokens_per_s": 20_000, "ratio_vs_generate_batch": 3.0, "fraction_of_roofline": 0.5},
-    }
+    summary: dict[str, Any] = {"goals": dict(GOAL)}
     if ours.get("status") == "ok":
         r = ours["result"]
         summary.update(nano_v1_output_tokens_per_s=r["output_tokens_per_s"],

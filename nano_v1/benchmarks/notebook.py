@@ -1,4 +1,4 @@
-"""What every notebook shares: the size switch, the device, where figures go, and recorded GPU results.
+"""What every notebook shares: sizes, the device, engine cores, where figures go, recorded GPU results.
 
 Mirrors no vLLM file (vLLM has no notebooks); used by notebooks/00-05 (chapter 00).
 
@@ -13,24 +13,28 @@ that says where its numbers came from:
     `<tmp>/nano_v1_smoke_figures/` (same file names, `"smoke": true` inside the JSON).
 A measurement that needs a GPU falls back, on a CPU, to the latest recorded GPU run in
 figures/data/ (`nano_v1/benchmarks/ledger.py`), labelled with its device and date.
+Notebooks that read the scheduler build their own engine core (`engine_core`): `LLM`
+hides it, by default in another process (chapter 09).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nano_v1.benchmarks.ledger import LEDGER_DIR, latest_gpu_results
-from nano_v1.benchmarks.utils import environment, write_json, write_tiny_qwen3
+from nano_v1.benchmarks.utils import CONFIGS_DIR, environment, write_json, write_tiny_qwen3
+from nano_v1.engine import EngineCoreRequest
+from nano_v1.engine.arg_utils import EngineArgs
+from nano_v1.engine.core import EngineCore
+from nano_v1.sampling_params import SamplingParams
 
 SMOKE = os.environ.get("NANO_V1_SMOKE") == "1"
-# Notebooks look inside the engine core (its scheduler, its block pool), so by default
-# they keep it in their own process; chapter 09's notebook chooses per engine.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 # CPU threads for torch in the notebooks (NANO_V1_THREADS overrides). One by default: on a
@@ -54,17 +58,31 @@ def pick(cpu: Any, gpu: Any, smoke: Any) -> Any:
 def dummy_model() -> tuple[str, str, str]:
     """(model directory, dtype, name) of a shape to run with `load_format="dummy"` (random weights).
 
-    On a GPU at full size: the Qwen3-0.6B shape in bfloat16. Otherwise GOALS.md's tiny Qwen3
-    (4 layers, hidden 256) in float32, its config.json written to a temporary directory.
+    On a GPU at full size: the Qwen3-0.6B shape in bfloat16. Otherwise the benchmarks' tiny
+    Qwen3 (4 layers, hidden 256) in float32, its config.json written to a temporary directory.
     """
     if ON_GPU and not SMOKE:
-        from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
-
         return str(CONFIGS_DIR / "qwen3-0.6b"), "bfloat16", "Qwen3-0.6B shape"
     return (
         write_tiny_qwen3(tempfile.mkdtemp(prefix="nano_v1_nb_"), weights=False),
         "float32",
         "tiny Qwen3 (5.2M)",
+    )
+
+
+def engine_core(**engine_args: Any) -> EngineCore:
+    """The engine core of `EngineArgs(**engine_args)` on this run's device, in this process.
+
+    The scheduler and the worker, stepped by `EngineCore.step()`, without a frontend: the
+    notebook's own object, so it can read `engine_core(...).scheduler` after every step.
+    """
+    return EngineCore(EngineArgs(device=DEVICE, **engine_args).create_engine_config())
+
+
+def core_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
+    """What `LLMEngine` hands the engine core for a prompt of token ids (no EOS: `ignore_eos` workloads)."""
+    return EngineCoreRequest(
+        request_id, prompt_token_ids, params, eos_token_id=None, arrival_time=time.monotonic()
     )
 
 

@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from nano_v1.benchmarks.utils import sample_random_requests, write_json
+from nano_v1.benchmarks.utils import print_table, sample_random_requests, write_json
 from nano_v1.engine.arg_utils import EngineArgs
 
 NAME = "processes"
@@ -33,9 +33,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-
+    """Run the benchmark from parsed CLI flags; print a table, write JSON, return the results."""
     report = run(args.batch_sizes, args.input_len, args.output_len, EngineArgs.from_cli_args(args))
-    print_table(report)
+    print_report(report)
     if args.output_json:
         write_json(args.output_json, report)
     return report
@@ -124,17 +124,16 @@ def _process_cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def print_table(report: dict[str, Any]) -> None:
-    print(
-        f"{'client':>13} {'batch':>5} {'tok/s':>8} {'wall/step':>9} {'frontend':>9} {'core':>8}  (CPU ms per step)"
-    )
-    for r in report["rows"]:
-        print(
-            f"{r['client']:>13} {r['batch_size']:>5} {r['output_throughput']:>8.0f} {r['wall_ms_per_step']:>9.2f} "
-            f"{r['frontend_cpu_ms_per_step']:>9.2f} {r['core_cpu_ms_per_step']:>8.2f}"
-        )
+def print_report(report: dict[str, Any]) -> None:
+    columns = [("client", "client", ""), ("batch", "batch_size", "d"), ("tok/s", "output_throughput", ".0f"),
+               ("wall/step", "wall_ms_per_step", ".2f"), ("frontend", "frontend_cpu_ms_per_step", ".2f"),
+               ("core", "core_cpu_ms_per_step", ".2f")]
     by_key = {(r["client"], r["batch_size"]): r for r in report["rows"]}
-    for (client, batch_size), r in by_key.items():
-        if client == "SyncMPClient" and ("InprocClient", batch_size) in by_key:
-            ratio = r["output_throughput"] / by_key["InprocClient", batch_size]["output_throughput"]
-            print(f"batch {batch_size}: multiprocess / in-process throughput = {ratio:.2f}x")
+    notes = [
+        f"batch {batch_size}: multiprocess / in-process throughput = "
+        f"{r['output_throughput'] / by_key['InprocClient', batch_size]['output_throughput']:.2f}x"
+        for (client, batch_size), r in by_key.items()
+        if client == "SyncMPClient" and ("InprocClient", batch_size) in by_key
+    ]
+    print_table(columns, report["rows"], title="ms per step: wall, and the CPU of the frontend and of the core",
+                notes=notes)

@@ -10,8 +10,10 @@ between later chunks (inter-token latency, ITL: one decode step each, when the s
 keeps up). Sweeping the rate shows where the engine saturates: past it, requests queue
 and TTFT grows without bound while ITL stays near the step time.
 
-Against `--base-url` it measures any running OpenAI-compatible server; without one it
-starts ours (`BackgroundServer`) with the engine flags given.
+Against `--base-url` it measures any running OpenAI-compatible server. Without one it
+starts ours, `nano-v1 serve` with the engine flags given, as a process of its own (as
+`vllm bench serve` measures a server running apart): it waits for `/health`, runs the
+sweep, then stops the server (SIGINT, then SIGKILL if it does not exit in time).
 """
 
 from __future__ import annotations
@@ -19,18 +21,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import math
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
 
 import numpy as np
 
-from nano_v1.benchmarks.utils import sample_random_requests, write_json
+from nano_v1.benchmarks.utils import print_table, sample_random_requests, write_json
 from nano_v1.engine.arg_utils import EngineArgs
 
 NAME = "serve"
 USES_ENGINE_ARGS = True
+SERVER_START_TIMEOUT_S = 300.0  # model load and, on a GPU, CUDA graph capture included
+SERVER_STOP_TIMEOUT_S = 30.0
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -50,25 +62,88 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-
+    """Run the benchmark from parsed CLI flags; print a table, write JSON, return the results."""
     report = run(args, EngineArgs.from_cli_args(args))
-    print_table(report)
+    print_report(report)
     if args.output_json:
         write_json(args.output_json, report)
     return report
 
 
 def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    """The sweep against `args.base_url`, or against a `nano-v1 serve` of `engine_args` started for it."""
     if args.base_url is not None:
         return _sweep(args, args.base_url, vocab_size=None)
-    from nano_v1.entrypoints.openai.api_server import BackgroundServer
+    vocab_size = engine_args.create_engine_config().model_config.get_vocab_size()
+    with running_server(engine_args, args.served_model_name) as base_url:
+        return _sweep(args, base_url, vocab_size)
 
-    server = BackgroundServer(engine_args, served_model_name=args.served_model_name)
-    try:
-        vocab_size = server.engine.vllm_config.model_config.get_vocab_size()
-        return _sweep(args, server.base_url, vocab_size)
-    finally:
-        server.stop()
+
+def engine_flags(engine_args: EngineArgs) -> list[str]:
+    """The `nano-v1 serve` flags of every engine argument that differs from its default."""
+    defaults = EngineArgs()
+    flags = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(engine_args, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag.removeprefix("--"))
+        else:
+            flags += [flag, value if isinstance(value, str) else json.dumps(value)]  # dicts as JSON
+    return flags
+
+
+@contextmanager
+def running_server(engine_args: EngineArgs, served_model_name: str) -> Iterator[str]:
+    """`nano-v1 serve` in a process of its own on a free loopback port; yields its base URL once healthy.
+
+    Its output goes to a temporary log, whose end a start-up failure quotes.
+    """
+    with socket.socket() as s:  # a free port: the server binds it a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "nano_v1.entrypoints.cli", "serve", *engine_flags(engine_args),
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name]
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            _wait_until_healthy(server, base_url, log)
+            yield base_url
+        finally:
+            _stop(server)
+
+
+def _wait_until_healthy(server: subprocess.Popen, base_url: str, log: TextIO) -> None:
+    """Poll `/health` until it answers 200; raise if the server exits or `SERVER_START_TIMEOUT_S` passes."""
+    import httpx
+
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            tail = "".join(log.readlines()[-20:])
+            raise RuntimeError(f"the server exited with code {server.returncode} before it was healthy:\n{tail}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise RuntimeError(f"the server at {base_url} was not healthy after {SERVER_START_TIMEOUT_S:.0f} s.")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGINT (the server shuts its engine core down), then SIGKILL if it is still there after the timeout."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=SERVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def _sweep(args: argparse.Namespace, base_url: str, vocab_size: int | None) -> dict[str, Any]:
@@ -174,12 +249,8 @@ def _percentiles(name: str, seconds: list[float]) -> dict[str, float]:
     }
 
 
-def print_table(report: dict[str, Any]) -> None:
-    print(
-        f"{'rate (req/s)':>12} {'out tok/s':>10} {'TTFT med':>9} {'TTFT p99':>9} {'ITL med':>8} {'ITL p99':>8}  (ms)"
-    )
-    for r in report["runs"]:
-        print(
-            f"{r['request_rate']!s:>12} {r['output_throughput']:>10.1f} {r['median_ttft_ms']:>9.1f} "
-            f"{r['p99_ttft_ms']:>9.1f} {r.get('median_itl_ms', 0.0):>8.1f} {r.get('p99_itl_ms', 0.0):>8.1f}"
-        )
+def print_report(report: dict[str, Any]) -> None:
+    columns = [("rate (req/s)", "request_rate", ""), ("out tok/s", "output_throughput", ".1f"),
+               ("TTFT med", "median_ttft_ms", ".1f"), ("TTFT p99", "p99_ttft_ms", ".1f"),
+               ("ITL med", "median_itl_ms", ".1f"), ("ITL p99", "p99_itl_ms", ".1f")]
+    print_table(columns, report["runs"], title="latencies in ms")

@@ -18,21 +18,28 @@ both sides:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from nano_v1.benchmarks.utils import write_json
-
-if TYPE_CHECKING:
-    from nano_v1.benchmarks.gpu_suite import SuiteContext
+from nano_v1.benchmarks.utils import (
+    SuiteContext,
+    max_warm_up_steps,
+    print_table,
+    step_timing,
+    time_decode_steps,
+    write_json,
+)
+from nano_v1.engine.arg_utils import EngineArgs
 
 NAME = "spec"
 USES_ENGINE_ARGS = False
 DEFAULT_KS = (1, 2, 3, 5)
 DEFAULT_LOOKUP_MAXES = (1, 2, 3, 4)
+# The goal: on Python code, with the bundled model, n-gram drafts gain at least 1.5x tokens per
+# request-step over no speculation (whose tokens per request-step are exactly 1), greedy output identical.
+GOAL = {"min_tokens_per_request_step": 1.5, "identical_to_baseline": True}
 
 
 # ---------------------------------------------------------------------------- CPU: the demo model
@@ -57,31 +64,20 @@ def generate_and_count(llm, prompts: list[list[int]], max_tokens: int) -> dict[s
     """One timed greedy `generate`, counting engine steps and request-steps (a request gaining tokens in a step)."""
     from nano_v1 import SamplingParams
 
-    core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore
-    counts = {"num_steps": 0, "num_request_steps": 0}
-    step = core.step
-
-    def counted_step():
-        outputs = step()
-        counts["num_steps"] += 1
-        counts["num_request_steps"] += sum(1 for o in outputs.outputs if o.new_token_ids)
-        return outputs
-
-    core.step = counted_step
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    try:
+    with step_timing(llm) as timings:
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall_s = time.perf_counter() - start
-    finally:
-        del core.step  # back to the class's method
     token_ids = [o.outputs[0].token_ids for o in outputs]
     num_output_tokens = sum(map(len, token_ids))
+    num_request_steps = sum(t.num_sampled_reqs for t in timings)
     return {
         "wall_s": wall_s,
         "num_output_tokens": num_output_tokens,
-        **counts,
-        "tokens_per_request_step": num_output_tokens / counts["num_request_steps"],
+        "num_steps": len(timings),
+        "num_request_steps": num_request_steps,
+        "tokens_per_request_step": num_output_tokens / num_request_steps,
         "token_ids": token_ids,
     }
 
@@ -101,14 +97,19 @@ def run_cpu_sweep(
     taken against that neighbour (the machines are shared and noisy). Prefix caching is
     off so that repeated runs of the same prompts cost the same. float32 by default: in
     the checkpoint's bfloat16, a step verifying 4 tokens rounds differently from a step
-    decoding 1, and a near-tie between the top two logits can flip (chapter 10).
+    decoding 1, and a near-tie between the top two logits can flip (chapter 10). Every
+    engine core runs in this process, where its worker counts the steps.
     """
     from nano_v1 import LLM
     from nano_v1.metrics.reader import spec_decoding_stats_from_metrics
 
     engine_args = {"max_model_len": prompt_len + max_tokens + 8, "enable_prefix_caching": False, "dtype": dtype,
                    "max_num_seqs": max_num_seqs or num_prompts}
-    baseline = LLM(**engine_args)
+
+    def in_process_llm(**extra: Any) -> LLM:
+        return LLM.from_engine_args(EngineArgs(**engine_args, **extra), enable_multiprocessing=False)
+
+    baseline = in_process_llm()
     prompts = heldout_prompts(baseline.get_tokenizer(), num_prompts, prompt_len)
     generate_and_count(baseline, prompts[:1], 4)  # warm-up
     reference = generate_and_count(baseline, prompts, max_tokens)
@@ -117,7 +118,7 @@ def run_cpu_sweep(
         for lookup_max in lookup_maxes:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                     "prompt_lookup_max": lookup_max}
-            llm = LLM(speculative_config=spec, **engine_args)
+            llm = in_process_llm(speculative_config=spec)
             run = generate_and_count(llm, prompts, max_tokens)
             peer = generate_and_count(baseline, prompts, max_tokens)
             stats = spec_decoding_stats_from_metrics(llm.get_metrics())
@@ -142,20 +143,22 @@ def run_cpu_sweep(
         "workload": {"num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
                      "max_num_seqs": engine_args["max_num_seqs"], "prompts": "held-out stdlib files"},
         "baseline": {key: reference[key] for key in ("wall_s", "num_steps", "tokens_per_request_step")},
+        "goal": dict(GOAL),
         "rows": rows,
     }
 
 
-def print_sweep(report: dict[str, Any]) -> None:
+def print_report(report: dict[str, Any]) -> None:
     w = report["workload"]
-    print(f"{report['model']} ({report['dtype']}), {w['num_prompts']} prompts of {w['prompt_len']} tokens, "
-          f"{w['max_tokens']} new tokens, batch {w['max_num_seqs']}: baseline {report['baseline']['num_steps']} "
-          f"steps, {report['baseline']['wall_s']:.2f} s")
-    print(f"{'k':>3}{'n max':>6}{'accept':>8}{'mean len':>9}{'tok/step':>9}{'steps x':>8}{'speed-up':>9}{'same':>6}")
-    for r in report["rows"]:
-        print(f"{r['k']:>3}{r['prompt_lookup_max']:>6}{r['acceptance_rate']:>8.2f}{r['mean_acceptance_length']:>9.2f}"
-              f"{r['tokens_per_request_step']:>9.2f}{r['steps_ratio']:>8.2f}{r['speedup']:>9.2f}"
-              f"{r['identical_to_baseline']!s:>6}")
+    title = (f"{report['model']} ({report['dtype']}), {w['num_prompts']} prompts of {w['prompt_len']} tokens, "
+             f"{w['max_tokens']} new tokens, batch {w['max_num_seqs']}: baseline {report['baseline']['num_steps']} "
+             f"steps, {report['baseline']['wall_s']:.2f} s")
+    columns = [("k", "k", "d"), ("n max", "prompt_lookup_max", "d"), ("accept", "acceptance_rate", ".2f"),
+               ("mean len", "mean_acceptance_length", ".2f"), ("tok/step", "tokens_per_request_step", ".2f"),
+               ("steps x", "steps_ratio", ".2f"), ("speed-up", "speedup", ".2f"), ("same", "identical_to_baseline", "")]
+    goal = (f"goal: at least {GOAL['min_tokens_per_request_step']}x tokens per step (tok/step; 1.00 without "
+            "speculation), with the same greedy output")
+    print_table(columns, report["rows"], title=title, notes=[goal])
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +178,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     report = run_cpu_sweep(args.num_prompts, args.prompt_len, args.max_tokens, tuple(args.ks),
                            tuple(args.lookup_maxes), args.max_num_seqs, args.dtype)
     report["benchmark"] = NAME
-    print_sweep(report)
+    print_report(report)
     if args.output_json:
         write_json(args.output_json, report)
     return report
@@ -215,14 +218,13 @@ def verify_cost_sweep(
 ) -> dict[str, Any]:
     """Step time verifying 1 + k tokens per request vs a plain decode step, Qwen3-0.6B shape.
 
-    One engine with k_max speculative tokens; its proposer is replaced by one that always
-    proposes exactly k drafts of token 0 (a dummy model almost never agrees), so every
-    timed step verifies 1 + k tokens per request and keeps about 1. k = 0 is the plain
-    decode step of the same engine. Times come from the GPU suite's `time_decode_steps`.
-    Sizes default to the suite's (smoke or full); the notebook passes its own for the CPU.
+    One engine with k_max speculative tokens; its proposer is replaced (in the worker,
+    through `collective_rpc`) by one that always proposes exactly k drafts of token 0 (a
+    dummy model almost never agrees), so every timed step verifies 1 + k tokens per
+    request and keeps about 1. k = 0 is the plain decode step of the same engine. Times
+    come from `time_decode_steps`. Sizes default to the suite's (smoke or full); the
+    notebook passes its own for the CPU.
     """
-    from nano_v1 import LLM
-    from nano_v1.benchmarks.gpu_suite import max_warm_up_steps, time_decode_steps
     from nano_v1.benchmarks.roofline import ModelShape
 
     batch_sizes = batch_sizes or ([1, 2] if ctx.smoke else [1, 4, 16, 64])
@@ -234,13 +236,13 @@ def verify_cost_sweep(
     label = "tiny Qwen3 (smoke)" if ctx.smoke else "qwen3-0.6b"
     vocab_size = ModelShape.from_pretrained(model_dir).vocab_size
     # Every timed step may gain up to k + 1 tokens: room for all of them.
-    max_model_len = context_len + (max_warm_up_steps(max(batch_sizes), context_len) + num_steps + 2) * (max(ks) + 1)
-    llm = LLM(**dataclasses.asdict(ctx.engine_args(
-        model_dir, max_model_len=max_model_len, max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
+    max_warm_up = max_warm_up_steps(max(batch_sizes), context_len, ctx.max_num_batched_tokens)
+    llm = ctx.llm(
+        model_dir, max_model_len=context_len + (max_warm_up + num_steps + 2) * (max(ks) + 1),
+        max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)},
-    )))
+    )
     engine = llm.llm_engine
-    drafter = engine.engine_core.engine_core.model_executor.model_runner.drafter
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = ctx.partial.setdefault("rows", [])
     for batch_size in batch_sizes:
@@ -251,15 +253,15 @@ def verify_cost_sweep(
                 ctx.partial["truncated"] = f"stopped before batch size {batch_size}, k={k}: the time cap was near"
                 return {"model": label, **ctx.partial}
             start = time.perf_counter()
-            drafter.propose = lambda sampled, *_, k=k: [[0] * k if s else [] for s in sampled]
-            step_s, runner_s = time_decode_steps(engine, prompts, num_steps, num_spec_tokens=k)
+            llm.collective_rpc(propose_exactly, args=(k,))
+            step_s, timings = time_decode_steps(engine, prompts, num_steps, num_spec_tokens=k)
             step_ms[k] = 1e3 * float(np.median(step_s))
             ratio = step_ms[k] / step_ms[0]
             rows.append({
                 "batch_size": batch_size,
                 "k": k,
                 "step_ms": step_ms[k],
-                "execute_model_ms": 1e3 * float(np.median(runner_s)),
+                "execute_model_ms": 1e3 * float(np.median([t.execute_model_s for t in timings])),
                 "cost_ratio": ratio,
                 "break_even_acceptance_rate": break_even_acceptance_rate(ratio, k) if k else None,
                 "wall_s": time.perf_counter() - start,
@@ -267,3 +269,9 @@ def verify_cost_sweep(
             print(f"  verify B={batch_size:>3} k={k}: step {step_ms[k]:8.3f} ms, {ratio:5.2f}x a decode step"
                   + (f", pays above acceptance {rows[-1]['break_even_acceptance_rate']:.2f}" if k else ""))
     return {"model": label, "context_len": context_len, "num_timed_steps": num_steps, **ctx.partial}
+
+
+def propose_exactly(worker, k: int) -> None:
+    """In the worker (`collective_rpc`): make the n-gram drafter propose k drafts of token 0 for every
+    request that sampled a token, whatever its n-grams say."""
+    worker.model_runner.drafter.propose = lambda sampled, *_: [[0] * k if s else [] for s in sampled]

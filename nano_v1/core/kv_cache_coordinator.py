@@ -6,7 +6,8 @@ Why it exists: a request's tokens live in every group at once (each group is a s
 layers with its own block table), so every decision about a request is taken for all
 groups together. Allocation is all-or-nothing across groups: the blocks every group
 needs are counted before any is taken. A prefix-cache hit must be a hit in every group:
-the request computes from the same position in all layers. With one group
+the request computes from the same position in all layers. Without prefix caching
+(`KVCacheCoordinatorNoPrefixCache`) there is no hit to agree on; with one group
 (`UnitaryKVCacheCoordinator`) that is chapter 03's search; with full-attention and
 sliding-window groups (`HybridKVCacheCoordinator`) the full-attention hit bounds the
 sliding-window search, whose hit is then the answer for both.
@@ -82,6 +83,21 @@ class KVCacheCoordinator(ABC):
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """(the hit's blocks, one list per group; its length in tokens), valid for every group."""
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: any number of groups, no hit ever, no block shared by design."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(kv_cache_config, enable_caching=False)
+
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
+        return [0] * len(self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in self.single_type_managers), 0
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -172,6 +188,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 
 def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, enable_caching: bool) -> KVCacheCoordinator:
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(kv_cache_config)
     if len(kv_cache_config.kv_cache_groups) == 1:
         return UnitaryKVCacheCoordinator(kv_cache_config, enable_caching)
     return HybridKVCacheCoordinator(kv_cache_config, enable_caching)

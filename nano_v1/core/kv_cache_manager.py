@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nano_v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from nano_v1.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
+from nano_v1.core.kv_cache_utils import KVCacheBlock
 from nano_v1.kv_cache_interface import KVCacheConfig
+from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 
 
@@ -66,12 +67,28 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup: its `num_tokens` queried, `num_hit_tokens` hit.
+
+        The scheduler calls this once the request's `allocate_slots` succeeded, not at
+        `get_computed_blocks`: a request that fails to allocate stays waiting and looks
+        up again next step, and vLLM v0.11.0, which counts in `get_computed_blocks`,
+        counts it once per attempt (vllm-project/vllm#43736). A request resumed after
+        preemption is admitted, and counted, again, as in v0.11.0: it looks up its
+        prompt and its outputs so far. Nothing is counted with caching off (no lookup).
+        """
+        if not self.enable_caching:
+            return
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest run of cached full blocks matching the request's prefix, in every group.
 
-        Returns (blocks, number of tokens they hold). Takes no reference: the scheduler
-        may still fail to allocate the rest of the request, and then nothing must have
-        changed. It passes both values to `allocate_slots`, which touches the blocks.
+        Returns (blocks, number of tokens they hold). Changes nothing, not even the
+        statistics: the scheduler may still fail to allocate the rest of the request.
+        It passes both values to `allocate_slots`, which touches the blocks.
 
         At most num_tokens - 1 tokens can hit: the model must run on at least the last
         prompt token to produce the logits the first output token is sampled from. The
@@ -83,9 +100,6 @@ class KVCacheManager:
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
-        self.prefix_cache_stats.requests += 1
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_new_computed_tokens
         return KVCacheBlocks(computed_blocks), num_new_computed_tokens
 
     def allocate_slots(
@@ -95,6 +109,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for the request's next `num_new_tokens` tokens in every group; all or nothing.
 
@@ -115,6 +130,12 @@ class KVCacheManager:
         Returns None if the free pool cannot cover the new blocks of every group, and then
         changes nothing else. Cache hits that sit in the free queue (ref_cnt 0) count
         against the free pool too: touching them takes them out of it.
+
+        With `full_sequence_must_fit` (the scheduler's `scheduler_reserve_full_isl`, on
+        admission) it also returns None unless the free pool could hold the request's whole
+        sequence, not just this chunk; it still allocates only this chunk's blocks. The
+        check counts every block of the sequence in every group, as if no window dropped
+        any: an upper bound for sliding-window groups.
 
         Otherwise returns only the freshly allocated blocks per group (maybe none). What
         the scheduler sends the runner:
@@ -150,8 +171,11 @@ class KVCacheManager:
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
+        num_tokens_to_check = num_tokens_need_slot
+        if full_sequence_must_fit:
+            num_tokens_to_check = max(num_tokens_need_slot, min(request.num_tokens, self.max_model_len))
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, new_computed_block_list
+            request_id, num_tokens_to_check, new_computed_block_list
         )
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
@@ -177,13 +201,14 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (and nothing done) while requests hold blocks."""
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
+        return self.block_pool.reset_prefix_cache()
 
     def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> list[int]:
-        """Per group, how many leading blocks every running request shares (cascade attention, chapter 07)."""
+        """Per group, how many leading blocks every running request shares (cascade attention, chapter 07).
+
+        All zero without prefix caching (`KVCacheCoordinatorNoPrefixCache`): no block is
+        shared by design, so cascade attention is never asked for.
+        """
         assert request.status == RequestStatus.RUNNING
         return self.coordinator.get_num_common_prefix_blocks(request.request_id, num_running_requests)
 

@@ -102,6 +102,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 block_hasher=self.request_block_hasher,
+                mm_features=request.mm_features,
             )
         )
 
@@ -224,7 +225,9 @@ class EngineCoreProc(EngineCore):
 
     def _process_engine_step(self) -> None:
         outputs = self.step()
-        if outputs.outputs:  # a prefill chunk that samples nothing has nothing to say
+        # A prefill chunk that samples nothing has nothing to say, unless the step has
+        # statistics: those must reach the frontend too (as in vLLM).
+        if outputs.outputs or outputs.scheduler_stats is not None:
             self.output_queue.put_nowait(outputs)
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:

@@ -24,8 +24,8 @@ from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.core_client import EngineCoreClient
 from nano_v1.engine.output_processor import OutputProcessor
 from nano_v1.engine.processor import Processor, PromptType, load_tokenizer
-from nano_v1.metrics.reader import Metric, spec_decoding_metrics
-from nano_v1.metrics.stats import SchedulerStats
+from nano_v1.metrics.reader import Metric, prefix_cache_metrics, spec_decoding_metrics
+from nano_v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from nano_v1.outputs import RequestOutput
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.spec_decode.metrics import SpecDecodingStats
@@ -51,12 +51,13 @@ class LLMEngine:
     def __init__(self, vllm_config: VllmConfig, multiprocess_mode: bool = False) -> None:
         self.vllm_config = vllm_config
         self.tokenizer = load_tokenizer(vllm_config.model_config)
-        self.processor = Processor(vllm_config.model_config, self.tokenizer)
+        self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(
             multiprocess_mode=multiprocess_mode, asyncio_mode=False, vllm_config=vllm_config
         )
         # Running totals of the core's per-step statistics, read by get_metrics().
+        self.prefix_cache_stats = PrefixCacheStats()
         speculative_config = vllm_config.speculative_config
         self.spec_decoding_stats = (
             None if speculative_config is None else SpecDecodingStats.new(speculative_config.num_speculative_tokens)
@@ -114,12 +115,21 @@ class LLMEngine:
         return processed.request_outputs
 
     def _record_stats(self, scheduler_stats: SchedulerStats) -> None:
+        self.prefix_cache_stats.add(scheduler_stats.prefix_cache_stats)
         if scheduler_stats.spec_decoding_stats is not None:
             self.spec_decoding_stats.add(scheduler_stats.spec_decoding_stats)
 
     def get_metrics(self) -> list[Metric]:
-        """Totals since the engine started, as vLLM names them (speculative decoding only, for now)."""
-        return [] if self.spec_decoding_stats is None else spec_decoding_metrics(self.spec_decoding_stats)
+        """Totals since the engine started, as vLLM names them: the prefix-cache counters,
+        then speculative decoding's, when it is on (vLLM registers those only then)."""
+        metrics = prefix_cache_metrics(self.prefix_cache_stats)
+        if self.spec_decoding_stats is not None:
+            metrics += spec_decoding_metrics(self.spec_decoding_stats)
+        return metrics
+
+    def reset_prefix_cache(self) -> bool:
+        """`EngineCore.reset_prefix_cache`, wherever the engine core runs (vLLM's name)."""
+        return self.engine_core.call_utility("reset_prefix_cache")
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
         """`EngineCore.collective_rpc`, wherever the engine core runs (a function only in-process)."""

@@ -33,23 +33,47 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         if model is not None:
             kwargs["model"] = model
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(**kwargs))
-        self.request_counter = itertools.count()
+        self._use_engine(LLMEngine.from_engine_args(EngineArgs.from_kwargs(**kwargs)))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, enable_multiprocessing: bool | None = None) -> LLM:
+        """`LLM(**kwargs)` from an `EngineArgs`, saying where the engine core runs.
+
+        vLLM's `LLM` has only its constructor, which follows VLLM_ENABLE_V1_MULTIPROCESSING.
+        This door takes the choice as `LLMEngine.from_engine_args` does, so that a caller
+        that needs the engine core in the calling process (the benchmarks hand functions to
+        `collective_rpc`) says so without setting a variable for the whole process. `None`
+        follows the variable, as the constructor does.
+        """
+        llm = cls.__new__(cls)
+        llm._use_engine(LLMEngine.from_engine_args(engine_args, enable_multiprocessing))
+        return llm
+
+    def _use_engine(self, llm_engine: LLMEngine) -> None:
+        self.llm_engine = llm_engine
+        self.request_counter = itertools.count()  # request ids, unique within this LLM
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
     def get_metrics(self) -> list[Metric]:
-        """A snapshot of the engine's counters since it started, e.g. speculative decoding's
-        `vllm:spec_decode_num_accepted_tokens` (see nano_v1/metrics/reader.py)."""
+        """A snapshot of the engine's counters since it started, under vLLM's names:
+        `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens), and with
+        speculative decoding `vllm:spec_decode_num_accepted_tokens` and the rest (see
+        nano_v1/metrics/reader.py)."""
         return self.llm_engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (chapter 03); False if some are still held by running requests."""
+        return self.llm_engine.reset_prefix_cache()
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = ()) -> list[Any]:
         """Run a worker method (by name) or a function `f(worker, *args)` on every worker; one result each.
 
         vLLM's hook for reaching into the workers; the benchmarks time steps with it
         (`collective_rpc("start_step_timing")`). A function works only with the engine core
-        in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it cannot be sent to another.
+        in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, or `from_engine_args(...,
+        enable_multiprocessing=False)`): it cannot be sent to another.
         """
         return self.llm_engine.collective_rpc(method, args)
 

@@ -1,22 +1,27 @@
 """Metrics as `LLM.get_metrics()` returns them: named counters, vLLM's names.
 
-Mirrors vllm/v1/metrics/reader.py (chapter 10).
+Mirrors vllm/v1/metrics/reader.py (chapters 03 and 10).
 
 Why it exists: vLLM exposes its counters to Prometheus and lets offline users read a
 snapshot with `LLM.get_metrics()`. We have no Prometheus registry; the frontend keeps
 the running totals itself and this module turns them into the same records
 (`Counter`, `Vector`) under the same names, so code written against vLLM's snapshot
-reads ours. `spec_decoding_stats_from_metrics` turns a snapshot back into
-`SpecDecodingStats`, whose properties give the acceptance rate and mean acceptance
-length, the two numbers vLLM's Prometheus documentation derives from these counters.
+reads ours. The prefix-cache counters are in tokens (hits / queries is the hit rate);
+`spec_decoding_stats_from_metrics` turns a snapshot back into `SpecDecodingStats`, whose
+properties give the acceptance rate and mean acceptance length, the two numbers vLLM's
+Prometheus documentation derives from these counters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.spec_decode.metrics import SpecDecodingStats
 
+# vLLM's names (vllm/v1/metrics/loggers.py::PrometheusStatLogger); both count tokens.
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 SPEC_DECODE_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -42,6 +47,11 @@ class Vector(Metric):
     """An ordered list of counts (vLLM uses it for acceptances per draft position only)."""
 
     values: list[int]
+
+
+def prefix_cache_metrics(stats: PrefixCacheStats) -> list[Metric]:
+    """The two prefix-cache counters of vLLM, from running totals."""
+    return [Counter(PREFIX_CACHE_QUERIES, stats.queries), Counter(PREFIX_CACHE_HITS, stats.hits)]
 
 
 def spec_decoding_metrics(stats: SpecDecodingStats) -> list[Metric]:

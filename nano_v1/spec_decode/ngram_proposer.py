@@ -25,6 +25,11 @@ import numpy as np
 
 from nano_v1.config import SpeculativeConfig
 
+# "No occurrence" in the position arrays of the vectorised search, where None cannot go
+# (a numpy int array); -1 is no real position. It never leaves this module:
+# `find_ngram_drafts` reports "nothing matched" as 0 drafts.
+NO_MATCH = -1
+
 
 def find_ngram_drafts(
     token_ids: np.ndarray, num_tokens: np.ndarray, min_n: int, max_n: int, k: int
@@ -49,7 +54,7 @@ def find_ngram_drafts(
     # match[r, e]: the last n tokens of row r also end at position e. Start with n = 0:
     # every e that leaves a known token after it (e <= T - 2) is a candidate.
     match = np.arange(width)[None, :] <= last - 2  # [num_rows, width]
-    best_end = np.full(num_rows, -1, dtype=np.int64)
+    best_end = np.full(num_rows, NO_MATCH, dtype=np.int64)
     # An n-gram and a token after it need n + 1 positions: longer ones cannot occur earlier.
     for n in range(1, min(max_n, width - 1) + 1):
         # Grow the n-gram by one token to the left: position e - n + 1 must equal T - n.
@@ -59,19 +64,19 @@ def find_ngram_drafts(
         if n >= min_n:
             latest_end = _last_true(match)
             latest_full_end = _last_true(match & (np.arange(width)[None, :] <= last - 1 - k))
-            latest_end = np.where(latest_full_end >= 0, latest_full_end, latest_end)
-            best_end = np.where(latest_end >= 0, latest_end, best_end)  # a longer match overrides
-    start = best_end + 1  # [num_rows] first drafted position
-    num_drafts = np.where(best_end >= 0, np.minimum(k, last[:, 0] - start), 0)
+            latest_end = np.where(latest_full_end != NO_MATCH, latest_full_end, latest_end)
+            best_end = np.where(latest_end != NO_MATCH, latest_end, best_end)  # a longer match overrides
+    start = best_end + 1  # [num_rows] first drafted position (a NO_MATCH row's are never read)
+    num_drafts = np.where(best_end != NO_MATCH, np.minimum(k, last[:, 0] - start), 0)
     positions = np.minimum(start[:, None] + np.arange(k)[None, :], max(width - 1, 0))  # [num_rows, k]
     drafts = tokens[rows[:, None], positions] if width else np.zeros((num_rows, k), dtype=token_ids.dtype)
     return drafts, num_drafts
 
 
 def _last_true(mask: np.ndarray) -> np.ndarray:
-    """Column of the last True in each row of a [rows, width] mask; -1 for none."""
+    """Column of the last True in each row of a [rows, width] mask; NO_MATCH for none."""
     last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-    return np.where(mask.any(axis=1), last, -1)
+    return np.where(mask.any(axis=1), last, NO_MATCH)
 
 
 class NgramProposer:

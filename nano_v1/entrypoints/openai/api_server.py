@@ -16,10 +16,7 @@ model (as vLLM and OpenAI answer), 503 once the engine core is dead.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import socket
-import threading
 from collections.abc import AsyncGenerator, Awaitable
 from http import HTTPStatus
 from typing import Any
@@ -32,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nano_v1.engine import EngineDeadError
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
+from nano_v1.entrypoints.chat_utils import parse_chat_messages
 from nano_v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -91,11 +89,18 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    tokenizer = engine_client(raw_request).get_tokenizer()
+    engine = engine_client(raw_request)
+    tokenizer = engine.get_tokenizer()
     if tokenizer is None or tokenizer.chat_template is None:
         return error_response(HTTPStatus.BAD_REQUEST, "this model has no chat template; use /v1/completions.")
-    messages = [m.model_dump() for m in request.messages]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        # Images (chapter 11) become placeholders in the text and the prompt's multi_modal_data.
+        conversation, images = parse_chat_messages(request.messages, engine.vllm_config.model_config)
+    except ValueError as e:
+        return error_response(HTTPStatus.BAD_REQUEST, str(e))
+    prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if images:
+        prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
     return await _serve(request, raw_request, prompt, chat=True)
 
 
@@ -276,55 +281,3 @@ async def run_server(
         await build_server(engine, served_model_name or str(engine_args.model), host, port).serve()
     finally:
         engine.shutdown()
-
-
-class BackgroundServer:
-    """`run_server` in a background thread of this process, for tests, notebooks and `bench serve`.
-
-    Unlike a server in another process, this one lets the caller reach the engine
-    (`call_utility`, `engine.engine_core`), which is what the tests check the KV blocks with.
-    """
-
-    def __init__(
-        self, engine_args: EngineArgs, served_model_name: str = "demo", start_timeout_s: float = 300
-    ) -> None:
-        with socket.socket() as s:  # a free loopback port
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.served_model_name = served_model_name
-        self.loop = asyncio.new_event_loop()
-        self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.thread = threading.Thread(
-            target=self.loop.run_until_complete,
-            args=(self._main(engine_args),),
-            daemon=True,
-            name="APIServer",
-        )
-        self.thread.start()
-        self._started.result(timeout=start_timeout_s)  # re-raises a startup error
-
-    async def _main(self, engine_args: EngineArgs) -> None:
-        try:
-            self.engine = AsyncLLM.from_engine_args(engine_args)
-            self.server = build_server(self.engine, self.served_model_name, "127.0.0.1", self.port, "warning")
-            serve = asyncio.ensure_future(self.server.serve())
-            while not self.server.started and not serve.done():
-                await asyncio.sleep(0.02)
-        except BaseException as e:
-            self._started.set_exception(e)
-            return
-        self._started.set_result(None)
-        try:
-            await serve
-        finally:
-            self.engine.shutdown()
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """`EngineCore.<method>(*args)` in the engine-core process, from any thread."""
-        coro = self.engine.engine_core.call_utility_async(method, *args)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)

@@ -51,10 +51,6 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-class ReplicatedLinear(LinearBase):
-    """A linear layer every tensor-parallel rank holds whole."""
-
-
 class ColumnParallelLinear(LinearBase):
     """A linear layer whose output dimension tensor parallelism would split (here: whole)."""
 
