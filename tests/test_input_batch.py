@@ -481,7 +481,7 @@ def test_execute_model_greedy_and_logprobs(vllm_config):
 
 def test_runner_with_real_model_matches_transformers_greedy(tiny_qwen3):
     """Real attention over the paged cache, random block ids, chunking, preemption, skipped steps."""
-    vllm_config = make_vllm_config(tiny_qwen3, **ENGINE_ARGS)
+    vllm_config = make_vllm_config(tiny_qwen3, num_gpu_blocks_override=NUM_BLOCKS, **ENGINE_ARGS)
     runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     runner.load_model()
     # The override sets the block count: no memory to count.
