@@ -39,8 +39,9 @@ import torch
 from nano_v1 import LLM, SamplingParams
 from nano_v1.benchmarks import hybrid_kv as hk
 from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.gpu_suite import CONFIGS_DIR
+from nano_v1.benchmarks.utils import CONFIGS_DIR
 from nano_v1.core.kv_cache_utils import get_kv_cache_configs, get_max_concurrency_for_kv_cache_config
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
@@ -168,19 +169,18 @@ mini_dir = hk.write_mini_gemma3(tempfile.mkdtemp(prefix="nano_v1_nb12_"), slidin
 
 
 def long_generation(disable_hybrid: bool) -> dict:
-    llm = LLM(model=mini_dir, load_format="dummy", dtype="float32", device=nb.DEVICE, block_size=BLOCK_SIZE,
-              max_model_len=PROMPT_LEN + GEN_LEN, enable_prefix_caching=False,
-              disable_hybrid_kv_cache_manager=disable_hybrid)
-    engine = llm.llm_engine
-    core = engine.engine_core.engine_core
+    # The engine core in this process (`nb.engine_core`), so that its scheduler is ours to read.
+    core = nb.engine_core(model=mini_dir, load_format="dummy", dtype="float32", block_size=BLOCK_SIZE,
+                          max_model_len=PROMPT_LEN + GEN_LEN, enable_prefix_caching=False,
+                          disable_hybrid_kv_cache_manager=disable_hybrid)
     scheduler = core.scheduler
     per_block = hk.bytes_per_block(scheduler.kv_cache_config)
-    engine.add_request("r", {"prompt_token_ids": list(range(3, 3 + PROMPT_LEN))},
-                       SamplingParams(temperature=0.0, max_tokens=GEN_LEN, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=GEN_LEN, ignore_eos=True)
+    core.add_request(nb.core_request("r", list(range(3, 3 + PROMPT_LEN)), params))
     context, held, predicted_held = [], [], []
     start, computed_before = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
+    while scheduler.has_unfinished_requests():
+        core.step()
         if "r" in scheduler.requests:
             computed = scheduler.requests["r"].num_computed_tokens
             context.append(computed)
@@ -259,9 +259,12 @@ full_bytes_per_token = 2 * 12 * 1 * 64 * 4  # 12 layers, 1 KV head of 64, float3
 
 def throughput(context: int, disable_hybrid: bool) -> dict:
     kv_bytes = (2 * -(-context // BLOCK_SIZE) + 1) * BLOCK_SIZE * full_bytes_per_token  # 2 requests + null block
-    llm = LLM(model=tp_dir, load_format="dummy", dtype="float32", device=nb.DEVICE, block_size=BLOCK_SIZE,
-              max_model_len=context, enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes,
-              disable_hybrid_kv_cache_manager=disable_hybrid, max_num_batched_tokens=2048)
+    # The engine core in this process: the notebook counts the scheduler's running requests.
+    engine_args = EngineArgs(model=tp_dir, load_format="dummy", dtype="float32", device=nb.DEVICE,
+                             block_size=BLOCK_SIZE, max_model_len=context, enable_prefix_caching=False,
+                             kv_cache_memory_bytes=kv_bytes, disable_hybrid_kv_cache_manager=disable_hybrid,
+                             max_num_batched_tokens=2048)
+    llm = LLM.from_engine_args(engine_args, enable_multiprocessing=False)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     prompts = [{"prompt_token_ids": [(i * 131 + j) % 4000 + 3 for j in range(context - TP_OUTPUT)]}
                for i in range(NUM_REQUESTS)]
