@@ -78,7 +78,9 @@ class FullAttentionSpec(AttentionSpec):
     @classmethod
     def merge_window_sizes(cls, window_sizes: set[int]) -> int | None:
         if len(window_sizes) > 1:
-            raise ValueError(f"all layers of one KV cache group must have the same window, got {window_sizes}")
+            raise ValueError(
+                f"all layers of one KV cache group must have the same window, got {window_sizes}"
+            )
         return next(iter(window_sizes), None)
 
     @classmethod

@@ -47,7 +47,13 @@ TINY_SHAPES = dict(
 TINY_GEMMA3 = dict(
     head_dim=32,
     num_hidden_layers=5,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    layer_types=[
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
     sliding_window=24,
 )
 

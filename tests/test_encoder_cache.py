@@ -67,7 +67,9 @@ def make_mm_scheduler(
     config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=True)
     config.device_config = DeviceConfig("cpu")
     return Scheduler(
-        config, full_attention_kv_cache_config(num_blocks, block_size), mm_registry=FixedSizeImages(max_image_tokens)
+        config,
+        full_attention_kv_cache_config(num_blocks, block_size),
+        mm_registry=FixedSizeImages(max_image_tokens),
     )
 
 

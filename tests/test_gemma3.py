@@ -98,9 +98,10 @@ def test_layers_form_hybrid_groups_with_one_shared_pool(hf_reference):
     ]
     runner = engine_core(llm).model_executor.model_runner
     layers = runner.attn_layers
-    assert layers["model.layers.0.self_attn.attn"].kv_cache.data_ptr() == layers[
-        "model.layers.2.self_attn.attn"
-    ].kv_cache.data_ptr()
+    assert (
+        layers["model.layers.0.self_attn.attn"].kv_cache.data_ptr()
+        == layers["model.layers.2.self_attn.attn"].kv_cache.data_ptr()
+    )
     assert len(runner.input_batch.block_table.block_tables) == 3
 
 
@@ -140,7 +141,12 @@ def test_small_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     # One request of 128 tokens needs 16 full-attention blocks + 2 x (ceil((23 + 32) / 8) + 1) = 32:
     # 32 usable blocks hold it, not all four prompts at once.
     got, _ = nano_greedy(
-        path, prompts, MAX_NEW, block_size=8, max_model_len=128, max_num_batched_tokens=32,
+        path,
+        prompts,
+        MAX_NEW,
+        block_size=8,
+        max_model_len=128,
+        max_num_batched_tokens=32,
         num_gpu_blocks_override=33,
     )
     assert preempted, "the cache was meant to be too small for the batch"
@@ -153,7 +159,11 @@ def test_prefix_cache_hits_have_the_rules_length(tiny_gemma3):
     prompts.append(shared + gemma3_prompts(2, lengths=(20,))[0])  # shares 40 tokens with the first
     expected = hf_greedy(tiny_gemma3, prompts, 8)
     llm = LLM(
-        model=tiny_gemma3, dtype="float32", block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=90,
+        model=tiny_gemma3,
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=90,
         max_model_len=200,
     )
     params = SamplingParams(temperature=0.0, max_tokens=8)
@@ -222,4 +232,3 @@ def test_unsupported_gemma3_configs_are_clear_errors(tmp_path):
         (tmp_path / "bad" / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=message):
             load_model(str(tmp_path / "bad"))
-

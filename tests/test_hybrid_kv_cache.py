@@ -47,7 +47,9 @@ pytestmark = pytest.mark.ch12
 BF16_HEADS = dict(num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
 
 
-def fake_vllm_config(max_model_len: int, max_num_batched_tokens: int = 8192, **scheduler) -> types.SimpleNamespace:
+def fake_vllm_config(
+    max_model_len: int, max_num_batched_tokens: int = 8192, **scheduler
+) -> types.SimpleNamespace:
     """The slices of a VllmConfig that the KV cache layout reads."""
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(max_model_len=max_model_len),
@@ -93,7 +95,11 @@ def test_layers_group_by_spec_in_groups_of_the_rarest_count():
     assert [g.layer_names for g in groups] == [
         ["layers.0", "layers.3"], ["layers.2"], ["layers.1", "layers.4"]
     ]  # fmt: skip
-    assert [type(g.kv_cache_spec) for g in groups] == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec]
+    assert [type(g.kv_cache_spec) for g in groups] == [
+        SlidingWindowSpec,
+        SlidingWindowSpec,
+        FullAttentionSpec,
+    ]
     # Two tensors (the largest group has two layers), tensor i shared by layer i of every group.
     (config,) = get_kv_cache_configs(fake_vllm_config(4096), [specs], [100 * 2 * 65_536])
     assert config.num_blocks == 100
@@ -133,7 +139,8 @@ def test_override_and_unsupported_layouts():
     (config,) = get_kv_cache_configs(vllm_config, [layer_specs("sf")], [0])
     assert config.num_blocks == 7
     mixed = {
-        "a": FullAttentionSpec(block_size=16, **BF16_HEADS), "b": FullAttentionSpec(16, 4, 128, torch.bfloat16)
+        "a": FullAttentionSpec(block_size=16, **BF16_HEADS),
+        "b": FullAttentionSpec(16, 4, 128, torch.bfloat16),
     }
     with pytest.raises(ValueError, match="page sizes"):
         get_kv_cache_groups(fake_vllm_config(4096), mixed)
@@ -154,7 +161,10 @@ def test_override_and_unsupported_layouts():
 
 
 def make_hybrid_manager(
-    num_blocks: int, window: int, max_model_len: int = 200, enable_caching: bool = True,
+    num_blocks: int,
+    window: int,
+    max_model_len: int = 200,
+    enable_caching: bool = True,
     num_sliding_groups: int = 1,
 ) -> KVCacheManager:
     config = hybrid_kv_cache_config(num_blocks, BLOCK_SIZE, window, num_sliding_groups)
@@ -182,11 +192,16 @@ def check_sliding_window_decode(window: int, prompt_len: int, num_decodes: int) 
         blocks = sliding.req_to_blocks["r"]
         first_useful_block = max(computed - window + 1, 0) // BLOCK_SIZE
         assert all(b.is_null for b in blocks[:first_useful_block]), (computed, [b.block_id for b in blocks])
-        assert not any(b.is_null for b in blocks[first_useful_block:]), (computed, [b.block_id for b in blocks])
+        assert not any(b.is_null for b in blocks[first_useful_block:]), (
+            computed,
+            [b.block_id for b in blocks],
+        )
         dropped = [was for b, was in zip(blocks, held_before) if b.is_null and not was.is_null]
         assert all(b.ref_cnt == 0 for b in dropped), "a dropped block is still counted as held"
         if dropped:  # back of the free queue, the one nearest the window first
-            assert queue_ids(pool.free_block_queue)[-len(dropped) :] == [b.block_id for b in reversed(dropped)]
+            assert queue_ids(pool.free_block_queue)[-len(dropped) :] == [
+                b.block_id for b in reversed(dropped)
+            ]
         assert not any(b.is_null for b in full.req_to_blocks["r"])
         assert len(full.req_to_blocks["r"]) == len(blocks) == -(-(computed + 1) // BLOCK_SIZE)
         held = sum(not b.is_null for b in blocks) + len(full.req_to_blocks["r"])
@@ -227,13 +242,17 @@ def drop_blocks_before(self, request_id: str, first_useful_block: int, free=True
     blocks = self.req_to_blocks.get(request_id, [])
     dropped = [b for b in blocks[: max(first_useful_block, 0)] if not b.is_null]
     if null:
-        blocks[: max(first_useful_block, 0)] = [self._null_block] * min(max(first_useful_block, 0), len(blocks))
+        blocks[: max(first_useful_block, 0)] = [self._null_block] * min(
+            max(first_useful_block, 0), len(blocks)
+        )
     if free:
         self.block_pool.free_blocks(dropped)
 
 
 def free_one_block_too_many(self, request_id: str, num_computed_tokens: int) -> None:
-    drop_blocks_before(self, request_id, (num_computed_tokens - self.sliding_window + 1) // self.block_size + 1)
+    drop_blocks_before(
+        self, request_id, (num_computed_tokens - self.sliding_window + 1) // self.block_size + 1
+    )
 
 
 def window_off_by_one(self, request_id: str, num_computed_tokens: int) -> None:
@@ -264,7 +283,9 @@ def test_planted_bugs_in_remove_skipped_blocks_are_caught(bug, monkeypatch):
 # ----------------------------------------------------------------------------- ch12_t2: hits from the right
 
 
-def sliding_window_hit_length(cached: list[bool], window: int, max_length: int, block_size: int = BLOCK_SIZE) -> int:
+def sliding_window_hit_length(
+    cached: list[bool], window: int, max_length: int, block_size: int = BLOCK_SIZE
+) -> int:
     """Brute force, in blocks: the most blocks j whose last ceil((w - 1) / block_size) blocks (all j, if
     fewer) are cached.
 
@@ -357,7 +378,10 @@ def hit_by_a_wrong_rule(block_hashes, max_length, group_ids, pool, spec, needed:
     end = runs[0] if runs else leading
     length = len(found) if runs and not trim else end
     return tuple(
-        [found[k][g] if k >= end - needed and found[k] is not None else pool.null_block for k in range(length)]
+        [
+            found[k][g] if k >= end - needed and found[k] is not None else pool.null_block
+            for k in range(length)
+        ]
         for g in range(len(group_ids))
     )
 
@@ -415,7 +439,9 @@ def expected_hybrid_hit(manager: KVCacheManager, request) -> int:
     max_blocks = (request.num_tokens - 1) // block_size
     hashes = request.block_hashes
     full_run = 0
-    while full_run < max_blocks and pool.get_cached_block(hashes[full_run], coordinator.full_attention_group_ids):
+    while full_run < max_blocks and pool.get_cached_block(
+        hashes[full_run], coordinator.full_attention_group_ids
+    ):
         full_run += 1
     in_all = [pool.get_cached_block(h, coordinator.other_group_ids) is not None for h in hashes[:full_run]]
     window = coordinator.other_spec.sliding_window
@@ -514,7 +540,9 @@ class PageMemory:
                 assert page == (group_id, tuple(tokens[: pos + 1])), f"{where}: holds someone else's KV"
 
 
-def check_hybrid_invariants(manager: KVCacheManager, live: dict, memory: PageMemory, last_computed: dict) -> None:
+def check_hybrid_invariants(
+    manager: KVCacheManager, live: dict, memory: PageMemory, last_computed: dict
+) -> None:
     pool = manager.block_pool
     managers = manager.coordinator.single_type_managers
     owners: dict[int, int] = {}
@@ -709,8 +737,12 @@ class WindowedFakeModelRunner:
 @pytest.mark.ch12_t2
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 4, 16]), window=st.integers(2, 40),
-    budget=st.integers(1, 64), max_seqs=st.integers(1, 8), caching=st.booleans(),
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.integers(2, 40),
+    budget=st.integers(1, 64),
+    max_seqs=st.integers(1, 8),
+    caching=st.booleans(),
     abort_prob=st.sampled_from([0.0, 0.1]),
 )
 def test_scheduler_with_hybrid_groups_keeps_every_window(

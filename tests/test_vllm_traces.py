@@ -149,7 +149,9 @@ def build_scheduler(config: dict) -> Scheduler:
         if config["num_spec_tokens"]
         else None
     )
-    return Scheduler(vllm_config, full_attention_kv_cache_config(config["num_gpu_blocks"], config["block_size"]))
+    return Scheduler(
+        vllm_config, full_attention_kv_cache_config(config["num_gpu_blocks"], config["block_size"])
+    )
 
 
 def make_request(spec: dict, block_hasher) -> Request:

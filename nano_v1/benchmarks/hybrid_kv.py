@@ -38,7 +38,9 @@ FIXED_TOKEN_ID = 7
 def engine_config(model_dir: str, max_model_len: int, disable_hybrid: bool, **engine_args) -> VllmConfig:
     """A CPU engine config for `model_dir` (weights never read) with the hybrid allocator on or off."""
     fixed = dict(device="cpu", load_format="dummy", enable_prefix_caching=False, max_model_len=max_model_len)
-    engine_args = EngineArgs(model_dir, disable_hybrid_kv_cache_manager=disable_hybrid, **fixed, **engine_args)
+    engine_args = EngineArgs(
+        model_dir, disable_hybrid_kv_cache_manager=disable_hybrid, **fixed, **engine_args
+    )
     return engine_args.create_engine_config()
 
 
@@ -59,7 +61,9 @@ def model_kv_cache_spec(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
 
 def kv_cache_config_for(vllm_config: VllmConfig, kv_cache_bytes: int) -> KVCacheConfig:
     """The engine's KV cache layout for this model in `kv_cache_bytes`."""
-    (kv_cache_config,) = get_kv_cache_configs(vllm_config, [model_kv_cache_spec(vllm_config)], [kv_cache_bytes])
+    (kv_cache_config,) = get_kv_cache_configs(
+        vllm_config, [model_kv_cache_spec(vllm_config)], [kv_cache_bytes]
+    )
     return kv_cache_config
 
 
@@ -74,7 +78,9 @@ def blocks_held(scheduler: Scheduler, request_id: str) -> int:
     return sum(not block.is_null for group in blocks for block in group)
 
 
-def predicted_blocks(kv_cache_config: KVCacheConfig, context_len: int, computed_before: int | None = None) -> int:
+def predicted_blocks(
+    kv_cache_config: KVCacheConfig, context_len: int, computed_before: int | None = None
+) -> int:
     """Blocks one request holds after a step took it from `computed_before` (default: one token
     less, a decode) to `context_len` computed tokens.
 
@@ -105,7 +111,11 @@ class Admission:
 
 
 def admit_until_full(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, num_requests: int, prompt_len: int, output_len: int
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    num_requests: int,
+    prompt_len: int,
+    output_len: int,
 ) -> Admission:
     """Run `num_requests` requests (distinct prompts, `output_len` tokens each) through the real
     scheduler; the stand-in model samples `FIXED_TOKEN_ID` whenever a request reaches its end."""

@@ -55,7 +55,9 @@ class KVCacheCoordinator(ABC):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Fresh blocks for every group, group 0 first (it takes the front of the free queue)."""
-        return tuple(manager.allocate_new_blocks(request_id, num_tokens) for manager in self.single_type_managers)
+        return tuple(
+            manager.allocate_new_blocks(request_id, num_tokens) for manager in self.single_type_managers
+        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:

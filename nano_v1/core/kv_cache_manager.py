@@ -41,7 +41,9 @@ class KVCacheBlocks:
 class KVCacheManager:
     """Per-request blocks of every KV cache group, on one shared `BlockPool`."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool = True
+    ) -> None:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)

@@ -54,6 +54,7 @@ def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> Block
     """The hash's 32 bytes followed by the group id in 4 bytes, big-endian (bytes, not a tuple: cheaper keys)."""
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
 
+
 # The parent of every sequence's first block. Fixed, so hashes are reproducible
 # across runs and processes (vLLM seeds it from PYTHONHASHSEED or at random; with a
 # cryptographic hash a secret seed buys nothing against collisions).
@@ -390,10 +391,14 @@ def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
                 sliding_window=spec.sliding_window,
             )
     if not is_kv_cache_spec_uniform(kv_cache_spec):
-        raise ValueError("the hybrid KV cache manager is disabled, but the layers' KV cache specs do not unify.")
+        raise ValueError(
+            "the hybrid KV cache manager is disabled, but the layers' KV cache specs do not unify."
+        )
 
 
-def get_kv_cache_groups(vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+def get_kv_cache_groups(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec]:
     """Split the model's layers into KV cache groups of one spec each."""
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         unify_hybrid_kv_cache_specs(kv_cache_spec)

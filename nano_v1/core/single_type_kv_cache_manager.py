@@ -115,7 +115,11 @@ class SingleTypeKVCacheManager(ABC):
     @classmethod
     @abstractmethod
     def find_longest_cache_hit(
-        cls, block_hashes: list[BlockHash], max_length: int, kv_cache_group_ids: list[int], block_pool: BlockPool,
+        cls,
+        block_hashes: list[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """The longest prefix of at most `max_length` tokens (whole blocks) that hits in every
@@ -134,7 +138,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls, block_hashes: list[BlockHash], max_length: int, kv_cache_group_ids: list[int], block_pool: BlockPool,
+        cls,
+        block_hashes: list[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         assert isinstance(kv_cache_spec, FullAttentionSpec)
@@ -170,13 +178,19 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """A query at position p sees keys p - sliding_window + 1 .. p: older blocks go back to the pool."""
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+    def __init__(
+        self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window
 
     @classmethod
     def find_longest_cache_hit(
-        cls, block_hashes: list[BlockHash], max_length: int, kv_cache_group_ids: list[int], block_pool: BlockPool,
+        cls,
+        block_hashes: list[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Search from the right for a run of cached blocks that covers the next query's window.

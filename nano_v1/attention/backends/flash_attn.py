@@ -193,7 +193,12 @@ class FlashAttentionImpl:
     """The per-layer attention computation: cache the new K/V, then attend through the cache."""
 
     def __init__(
-        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
     ) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")

@@ -60,7 +60,9 @@ class Gemma3MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_activation: str) -> None:
         super().__init__()
         if hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma 3 uses hidden_activation 'gelu_pytorch_tanh', got {hidden_activation!r}.")
+            raise ValueError(
+                f"Gemma 3 uses hidden_activation 'gelu_pytorch_tanh', got {hidden_activation!r}."
+            )
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = GeluAndMul(approximate="tanh")
@@ -89,7 +91,9 @@ class Gemma3Attention(nn.Module):
         self.is_sliding = layer_type == SLIDING_ATTENTION
         # (head size, rotary dim, max position, base, scaling): RoPE of this layer's kind, whole heads.
         theta, scaling = get_gemma3_rope_config(config, layer_type)
-        self.rotary_emb = get_rope(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = get_rope(
+            self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling
+        )
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -105,7 +109,9 @@ class Gemma3Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Normalise each head over head_dim: [num_tokens, num_(kv_)heads, head_dim].
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, self.q_size)
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, self.kv_size)
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(
+            num_tokens, self.kv_size
+        )
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -129,7 +135,9 @@ class Gemma3DecoderLayer(nn.Module):
         # The residual stream travels beside the hidden states: each sublayer's (post-normed)
         # output is added to it before the next pre-norm; the first layer's input is the stream.
         residual = hidden_states if residual is None else hidden_states + residual
-        hidden_states = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(residual)))
+        hidden_states = self.post_attention_layernorm(
+            self.self_attn(positions, self.input_layernorm(residual))
+        )
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
         return hidden_states, residual
@@ -142,7 +150,8 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+            Gemma3DecoderLayer(config, i, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # sqrt(hidden_size), rounded to the model dtype as Hugging Face rounds it.
@@ -167,7 +176,9 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
-                raise ValueError(f"Gemma 3 with {name} set is not supported by nano_v1 (released Gemma 3 has none).")
+                raise ValueError(
+                    f"Gemma 3 with {name} set is not supported by nano_v1 (released Gemma 3 has none)."
+                )
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not supported by nano_v1.")
         if not config.tie_word_embeddings:
