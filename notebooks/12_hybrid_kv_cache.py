@@ -365,10 +365,11 @@ plt.show()
 # growing once the context passes the window and only the two global layers' group keeps
 # growing, so the request's KV grows at 2/12 of the full-only slope.
 #
-# The concurrency measurement lands at or just under the prediction. Under it because
-# requests do not all sit at the end of their lives: when the cache is full the scheduler
-# preempts (and later recomputes) the newest request, and a request being prefilled holds
-# a whole chunk's blocks in every sliding-window group for one step. vLLM's own start-up
+# The concurrency measurement lands near the prediction, which assumes every request
+# holds the blocks of all c tokens. Above it at short contexts: requests early in their
+# lives are shorter than c. Just under it at long ones: when the cache is full the
+# scheduler preempts (and later recomputes) the newest request, and a request being
+# prefilled holds a whole chunk's blocks in every sliding-window group for one step. vLLM's own start-up
 # log ("Maximum concurrency") is more pessimistic still for hybrid models: it charges each
 # sliding-window group `w - 1 + max_num_batched_tokens` tokens for the whole life of the
 # request, which at an 8,192-token budget is more than the window by far.
