@@ -35,8 +35,9 @@ class BatchDescriptor:
 
 @dataclass
 class ForwardContext:
-    # The backend's metadata for this step (e.g. FlashAttentionMetadata); None during
-    # a profiling or warm-up run that has no KV cache to read or write.
+    # The backend's metadata for this step: {layer name: FlashAttentionMetadata} from the
+    # runner (layers of one KV cache group share one), or one metadata for every layer;
+    # None during a profiling or warm-up run that has no KV cache to read or write.
     attn_metadata: Any
     # Attention layers by `layer_name`, for the attention custom op of a compiled graph.
     no_compile_layers: dict[str, Any] = field(default_factory=dict)

@@ -82,7 +82,7 @@ print(
 #
 # All requests arrive at once, the engine steps until done, and after each step we read
 # the scheduler's state: the running requests, their computed tokens, the blocks each
-# holds (`KVCacheManager.req_to_blocks`), and the pool's usage. Prefix caching is off, so
+# holds (`KVCacheManager.get_block_ids`), and the pool's usage. Prefix caching is off, so
 # blocks are never shared and the counts are exact. The notebook builds the engine core
 # itself (`nb.engine_core`: the scheduler and the worker, in this process) so that the
 # scheduler it reads is its own object; `LLM` would hide it, by default in another
@@ -108,7 +108,7 @@ def run(num_blocks: int | None, record: bool) -> tuple[dict[int, list[int]], lis
             continue
         seen.update({r.request_id: r for r in scheduler.running})
         computed = np.array([r.num_computed_tokens for r in scheduler.running], dtype=np.int64)
-        held = np.array([len(kv.req_to_blocks[r.request_id]) for r in scheduler.running], dtype=np.int64)
+        held = np.array([len(kv.get_block_ids(r.request_id)[0]) for r in scheduler.running], dtype=np.int64)
         # Check: each running request holds exactly the blocks its computed tokens need.
         assert (held == -(-computed // BLOCK_SIZE)).all(), (
             "a request holds more or fewer blocks than it needs"

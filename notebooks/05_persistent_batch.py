@@ -105,10 +105,10 @@ def decode_steps(batch_size: int, rng: np.random.Generator):
         next_block += n_blocks
         reqs[f"r{i}"] = {"tokens": tokens, "blocks": blocks, "computed": CONTEXT - 1}
         new.append(
-            NewRequestData(f"r{i}", tokens, SamplingParams(temperature=0.0), list(blocks), CONTEXT - 1)
+            NewRequestData(f"r{i}", tokens, SamplingParams(temperature=0.0), (list(blocks),), CONTEXT - 1)
         )
     sched = {r: 1 for r in reqs}
-    yield SchedulerOutput(new, CachedRequestData(), sched, batch_size, {}, 0, set()), reqs
+    yield SchedulerOutput(new, CachedRequestData(), sched, batch_size, {}, [0], set()), reqs
     while True:
         cached = CachedRequestData()
         for req_id, r in reqs.items():
@@ -121,9 +121,9 @@ def decode_steps(batch_size: int, rng: np.random.Generator):
                 r["blocks"] += new_blocks
             cached.req_ids.append(req_id)
             cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append(new_blocks)
+            cached.new_block_ids.append((new_blocks,) if new_blocks else None)  # one KV cache group
             cached.num_computed_tokens.append(r["computed"])
-        yield SchedulerOutput([], cached, sched, batch_size, {}, 0, set()), reqs
+        yield SchedulerOutput([], cached, sched, batch_size, {}, [0], set()), reqs
 
 
 def naive_rebuild(reqs: dict, max_blocks: int, device: torch.device):
@@ -169,10 +169,10 @@ def measure(batch_size: int) -> dict:
         sync()
         t0 = time.perf_counter()
         runner._update_states(so)
-        meta, _, discard = runner._prepare_inputs(so)
+        (meta,), _, discard = runner._prepare_inputs(so)
         sync()
         t1 = time.perf_counter()
-        rebuilt = naive_rebuild(reqs, runner.input_batch.block_table.max_num_blocks_per_req, device)
+        rebuilt = naive_rebuild(reqs, runner.input_batch.block_table[0].max_num_blocks_per_req, device)
         sync()
         t2 = time.perf_counter()
         n = runner.input_batch.num_reqs

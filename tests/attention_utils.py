@@ -158,29 +158,47 @@ def make_paged_batch(
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    causal: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention of one request: q [Lq, Hq, D] over contiguous k, v [L, Hkv, D]; (out, lse [Hq, Lq])."""
+    """float64 attention of one request: q [Lq, Hq, D] over contiguous k, v [L, Hkv, D]; (out, lse [Hq, Lq]).
+
+    With `window`, the query at position p sees only keys p - window + 1 .. p (chapter 12).
+    """
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Lq, L]
+    q_pos = context_len + torch.arange(q.shape[0])
+    key_pos = torch.arange(k.shape[0])
     if causal:
-        q_pos = context_len + torch.arange(q.shape[0])
-        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos[:, None], float("-inf"))
+        scores = scores.masked_fill(key_pos[None, :] > q_pos[:, None], float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(key_pos[None, :] <= q_pos[:, None] - window, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, Lq]
     out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out, lse
 
 
 def assert_matches_naive(
-    batch: PagedBatch, out: torch.Tensor, lse: torch.Tensor | None, causal: bool, atol: float, rtol: float
+    batch: PagedBatch,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    causal: bool,
+    atol: float,
+    rtol: float,
+    window: int | None = None,
 ) -> None:
     """Each request's rows of `out` (and `lse`) against `naive_attention` on its contiguous K/V."""
     scale = batch.q.shape[2] ** -0.5
     for r in range(len(batch.query_lens)):
         rows = slice(int(batch.cu_seqlens_q[r]), int(batch.cu_seqlens_q[r + 1]))
         ref_out, ref_lse = naive_attention(
-            batch.q[rows], batch.keys[r], batch.values[r], batch.context_lens[r], scale, causal
+            batch.q[rows], batch.keys[r], batch.values[r], batch.context_lens[r], scale, causal, window
         )
         what = (
             f"request {r} ({batch.query_lens[r]} queries after {batch.context_lens[r]} context tokens, "
@@ -237,3 +255,18 @@ def check_reshape_and_cache(reshape_and_cache_flash, batch: PagedBatch, num_padd
         assert int(written.sum()) == sum(batch.seq_lens), (
             f"the op wrote {name} slots outside the slot mapping (a -1 slot or a row past it has no slot)"
         )
+
+
+def poison_outside_windows(batch: PagedBatch, window: int) -> None:
+    """Make every key older than each request's first query's window unreadable, as a sliding-window
+    manager leaves it: NaN in those slots, and the blocks wholly before the window replaced in
+    the block table by a never-written (NaN) block, as the null block replaces them."""
+    num_kv_heads, head_size = batch.new_key.shape[1:]
+    block_size = batch.key_cache.shape[1]
+    for r, context_len in enumerate(batch.context_lens):
+        first_key = max(0, context_len - window + 1)
+        pos = torch.arange(first_key)
+        slots = batch.block_table[r, pos // block_size].long() * block_size + pos % block_size
+        for cache in (batch.key_cache, batch.value_cache):
+            cache.view(-1, num_kv_heads, head_size)[slots] = float("nan")
+        batch.block_table[r, : first_key // block_size] = batch.block_table[r, -1]  # an unused block: all NaN

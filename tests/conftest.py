@@ -41,18 +41,38 @@ TINY_SHAPES = dict(
 )
 
 
+# Gemma 3's pattern at tiny size (chapter 12): 3 sliding-window layers and 2 full-attention
+# ones, which group as (sw.0, sw.3), (sw.1, padding), (full.2, full.4); a window shorter
+# than the prompts and outputs the tests use.
+TINY_GEMMA3 = dict(
+    head_dim=32,
+    num_hidden_layers=5,
+    layer_types=[
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+    sliding_window=24,
+)
+
+
 def make_tiny_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> str:
-    """Write a random tiny `arch` checkpoint (qwen3 | qwen2 | llama) to `path`; return it."""
+    """Write a random tiny `arch` checkpoint (qwen3 | qwen2 | llama | gemma3) to `path`; return it."""
     import transformers
 
     cfg_cls, model_cls = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     kwargs = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    if arch == "gemma3":
+        kwargs.update(TINY_GEMMA3)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).to(torch.float32).eval()
@@ -85,9 +105,14 @@ def make_vllm_config(model: str, device: str = "cpu", **engine_args) -> VllmConf
 
 def make_scheduler(
     num_blocks, block_size, budget, max_seqs, max_model_len, caching,
-    chunked=True, policy="fcfs", num_spec_tokens=0, reserve_full_isl=False,
+    chunked=True, policy="fcfs", num_spec_tokens=0, reserve_full_isl=False, kv_cache_config=None,
 ) -> Scheduler:  # fmt: skip
-    """A scheduler over `num_blocks` KV blocks (block 0 is the null block), with no checkpoint."""
+    """A scheduler over `num_blocks` KV blocks (block 0 is the null block), with no checkpoint.
+
+    One full-attention KV cache group unless the test brings its own `kv_cache_config` (chapter 12).
+    """
+    from kv_cache_configs import full_attention_kv_cache_config
+
     from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
     from nano_v1.core.sched.scheduler import Scheduler
 
@@ -110,7 +135,7 @@ def make_scheduler(
         config.speculative_config = SpeculativeConfig(
             num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1
         )
-    return Scheduler(config)
+    return Scheduler(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
 
 
 def make_sampling_metadata(

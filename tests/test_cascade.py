@@ -24,6 +24,7 @@ from nano_v1.attention.backends.torch_reference import TorchReferenceImpl, Torch
 from nano_v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.selector import get_attn_backend
+from nano_v1.kv_cache_interface import FullAttentionSpec
 
 pytestmark = pytest.mark.ch07
 
@@ -238,6 +239,14 @@ def runner(tiny_qwen3):
     return GPUModelRunner(config, torch.device("cpu"))
 
 
+def full_attention_spec(runner) -> FullAttentionSpec:
+    """The tiny Qwen3's KV cache spec, every layer's (the runner has no model to ask)."""
+    model_config = runner.model_config
+    return FullAttentionSpec(
+        runner.block_size, model_config.get_num_kv_heads(), model_config.get_head_size(), runner.dtype
+    )
+
+
 @pytest.mark.parametrize(
     "num_computed, num_common_blocks, expected",
     [
@@ -259,7 +268,8 @@ def test_prefix_len(runner, monkeypatch, num_computed, num_common_blocks, expect
     monkeypatch.setattr(runner.attn_metadata_builder, "use_cascade_attention", always)
     n = len(num_computed)
     monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.array(num_computed + [999] * 5))
-    assert runner._compute_cascade_attn_prefix_len(np.ones(n, dtype=np.int32), num_common_blocks) == expected
+    spec = full_attention_spec(runner)
+    assert runner._compute_cascade_attn_prefix_len(np.ones(n, dtype=np.int32), num_common_blocks, spec) == expected
     assert asked == ([] if num_common_blocks == 0 else [expected])
 
 
@@ -267,7 +277,7 @@ def test_prefix_len_is_zero_when_the_rule_says_no(runner, monkeypatch):
     monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.full(8, 1000))
     # 8 decodes on a 992-token prefix, Qwen3 tiny's 4 query heads over 2 KV heads, on 132 SMs:
     # cascade 1 wave x 8 tiles = 8; flash-decoding 8 x 2 x 8 = 128 CTAs, 1 wave. No cascade.
-    assert runner._compute_cascade_attn_prefix_len(np.ones(8, dtype=np.int32), 62) == 0
+    assert runner._compute_cascade_attn_prefix_len(np.ones(8, dtype=np.int32), 62, full_attention_spec(runner)) == 0
 
 
 # ---------------------------------------------------------------- end to end

@@ -19,6 +19,7 @@ import types
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_cache_configs import full_attention_kv_cache_config
 from test_scheduler import VOCAB, FakeModelRunner, check_kv_invariants, reference_output
 
 from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
@@ -65,7 +66,11 @@ def make_mm_scheduler(
     config.scheduler_config = SchedulerConfig(**scheduler_config)
     config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=True)
     config.device_config = DeviceConfig("cpu")
-    return Scheduler(config, mm_registry=FixedSizeImages(max_image_tokens))
+    return Scheduler(
+        config,
+        full_attention_kv_cache_config(num_blocks, block_size),
+        mm_registry=FixedSizeImages(max_image_tokens),
+    )
 
 
 def image(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:

@@ -16,9 +16,11 @@ import pytest
 import torch
 import transformers
 from conftest import TINY_SHAPES, make_vllm_config
+from kv_cache_configs import full_attention_kv_cache_config
 from torch import nn
 
 from nano_v1.config import VllmConfig
+from nano_v1.core.kv_cache_utils import get_kv_cache_configs
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.outputs import ModelRunnerOutput
 from nano_v1.sample.sampler import SamplerOutput
@@ -160,7 +162,8 @@ class FakeScheduler:
             new_blocks = self._allocate(r, n)
             cached.req_ids.append(r.req_id)
             cached.resumed_from_preemption.append(resumed)
-            cached.new_block_ids.append(list(r.blocks) if resumed else new_blocks)
+            # One KV cache group; None when a running request gained no block.
+            cached.new_block_ids.append((list(r.blocks),) if resumed else (new_blocks,) if new_blocks else None)
             cached.num_computed_tokens.append(r.computed)
             num_scheduled[r.req_id] = n
             budget -= n
@@ -186,7 +189,7 @@ class FakeScheduler:
                 n = self._num_new_tokens(r, budget)
                 self._allocate(r, n)
                 new_reqs.append(
-                    NewRequestData(r.req_id, list(r.prompt), r.params, list(r.blocks), r.computed)
+                    NewRequestData(r.req_id, list(r.prompt), r.params, (list(r.blocks),), r.computed)
                 )
                 num_scheduled[r.req_id] = n
                 budget -= n
@@ -196,7 +199,7 @@ class FakeScheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens={},
-            num_common_prefix_blocks=0,
+            num_common_prefix_blocks=[0],
             finished_req_ids=finished,
         )
 
@@ -265,9 +268,9 @@ def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: 
         assert batch.token_ids_cpu[i, : len(r.tokens)].tolist() == r.tokens
         if before_step:
             assert batch.num_computed_tokens_cpu[i] == r.computed
-        assert batch.block_table.num_blocks_per_row[i] == len(r.blocks)
-        assert batch.block_table.block_table.np[i, : len(r.blocks)].tolist() == r.blocks
-        assert state.block_ids == r.blocks and state.output_token_ids == r.outputs
+        assert batch.block_table[0].num_blocks_per_row[i] == len(r.blocks)
+        assert batch.block_table[0].block_table.np[i, : len(r.blocks)].tolist() == r.blocks
+        assert state.block_ids == (r.blocks,) and state.output_token_ids == r.outputs
         assert batch.temperature.np[i] == pytest.approx(r.params.temperature)
         assert batch.top_p.np[i] == pytest.approx(r.params.top_p)
         assert batch.top_k.np[i] == (r.params.top_k or VOCAB)
@@ -300,7 +303,7 @@ def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed):
         if so.total_num_scheduled_tokens == 0:
             continue
         check_batch_rows(runner, sched, before_step=True)
-        common, logits_indices, discard = runner._prepare_inputs(so)
+        (common,), logits_indices, discard = runner._prepare_inputs(so)  # one KV cache group
         want = naive_inputs(sched, so, batch.req_ids)
         t = so.total_num_scheduled_tokens
         got = {
@@ -339,7 +342,7 @@ def cpu_input_batch(max_num_reqs: int, max_model_len: int) -> InputBatch:
         device=torch.device("cpu"),
         pin_memory=False,
         vocab_size=VOCAB,
-        block_size=BLOCK_SIZE,
+        block_sizes=[BLOCK_SIZE],
     )
 
 
@@ -357,8 +360,9 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
             assert batch.token_ids_cpu[i, : s.num_tokens].tolist() == s.prompt_token_ids + s.output_token_ids
             assert batch.num_tokens[i] == s.num_tokens
             assert batch.num_computed_tokens_cpu[i] == s.num_computed_tokens
-            assert batch.block_table.block_table.np[i, : len(s.block_ids)].tolist() == s.block_ids
-            assert batch.block_table.num_blocks_per_row[i] == len(s.block_ids)
+            (ids,) = s.block_ids
+            assert batch.block_table[0].block_table.np[i, : len(ids)].tolist() == ids
+            assert batch.block_table[0].num_blocks_per_row[i] == len(ids)
             assert batch.temperature.np[i] == pytest.approx(s.sampling_params.temperature)
             assert batch.generators.get(i) is s.generator
         # The min-tokens processor, told only the batch's changes, knows exactly the rows still
@@ -387,7 +391,7 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
                     temperature=temperature, min_tokens=rng.choice([0, 0, 5, 12]), stop_token_ids=[2]
                 ),
                 generator=torch.Generator() if temperature and rng.random() < 0.5 else None,
-                block_ids=rng.sample(range(1000), -(-(n_prompt + n_out) // BLOCK_SIZE)),
+                block_ids=(rng.sample(range(1000), -(-(n_prompt + n_out) // BLOCK_SIZE)),),
                 num_computed_tokens=rng.randint(0, n_prompt),
                 output_token_ids=[rng.randrange(VOCAB) for _ in range(n_out)],
             )
@@ -405,7 +409,7 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
 def test_condense_moves_last_rows_into_holes():
     batch = cpu_input_batch(max_num_reqs=8, max_model_len=16)
     for name in "abcdef":
-        batch.add_request(CachedRequestState(name, [1], SamplingParams(), None, [7], 0, []))
+        batch.add_request(CachedRequestState(name, [1], SamplingParams(), None, ([7],), 0, []))
     holes = [batch.remove_request("b"), batch.remove_request("c"), batch.remove_request("f")]
     batch.condense(sorted(holes, reverse=True))
     # f's row (5) was a trailing hole; e then d fill b's and c's rows.
@@ -433,6 +437,8 @@ class FakeModel(nn.Module):
 def fake_runner(vllm_config: VllmConfig) -> GPUModelRunner:
     runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     runner.model = FakeModel()
+    # One KV cache group, so the runner builds one attention metadata (that no layer reads).
+    runner.kv_cache_config = full_attention_kv_cache_config(NUM_BLOCKS, BLOCK_SIZE)
     return runner
 
 
@@ -506,10 +512,12 @@ def test_execute_model_greedy_and_logprobs(vllm_config):
 
 def test_runner_with_real_model_matches_transformers_greedy(tiny_qwen3):
     """Real attention over the paged cache, random block ids, chunking, preemption, skipped steps."""
-    vllm_config = make_vllm_config(tiny_qwen3, **ENGINE_ARGS)
+    vllm_config = make_vllm_config(tiny_qwen3, num_gpu_blocks_override=NUM_BLOCKS, **ENGINE_ARGS)
     runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     runner.load_model()
-    runner.initialize_kv_cache(NUM_BLOCKS)
+    # The override sets the block count: no memory to count.
+    (kv_cache_config,) = get_kv_cache_configs(vllm_config, [runner.get_kv_cache_spec()], [0])
+    runner.initialize_kv_cache(kv_cache_config)
     rng = random.Random(0)
     sched = FakeScheduler(rng, spawn=False, p_preempt=0.1, p_skip=0.1, prefix_hits=False)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 30, 41)]

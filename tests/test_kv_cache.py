@@ -15,15 +15,17 @@ import pytest
 from conftest import make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_cache_configs import full_attention_kv_cache_config
 from test_scheduler import FakeModelRunner
 
 from nano_v1.core.block_pool import BlockPool
-from nano_v1.core.kv_cache_manager import KVCacheManager
+from nano_v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nano_v1.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     get_request_block_hasher,
     hash_block_tokens,
+    make_block_hash_with_group_id,
 )
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.metrics.stats import PrefixCacheStats
@@ -47,6 +49,27 @@ def make_request(
 
 def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
     return [block.block_id for block in queue.get_all_free_blocks()]
+
+
+def make_manager(num_gpu_blocks: int, max_model_len: int, enable_caching: bool = True) -> KVCacheManager:
+    """A manager of one full-attention KV cache group, the case of chapters 02 and 03."""
+    return KVCacheManager(full_attention_kv_cache_config(num_gpu_blocks, BLOCK_SIZE), max_model_len, enable_caching)
+
+
+def group_blocks(manager: KVCacheManager) -> dict[str, list[KVCacheBlock]]:
+    """The one group's {request id: block list}."""
+    return manager.coordinator.single_type_managers[0].req_to_blocks
+
+
+def block_ids(manager: KVCacheManager, request_id: str) -> list[int]:
+    (ids,) = manager.get_block_ids(request_id)
+    return ids
+
+
+def ids_of(blocks) -> list[int]:
+    """The block ids of a one-group `KVCacheBlocks`."""
+    (ids,) = blocks.get_block_ids()
+    return ids
 
 
 # ----------------------------------------------------------------------------- ch02: free queue
@@ -195,19 +218,19 @@ def test_null_block_is_never_handed_out():
 def test_allocate_slots_counts_the_blocks_a_request_needs(
     num_computed, num_new, num_lookahead, num_blocks, why
 ):
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=20, max_model_len=10, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
     request = make_request("r", list(range(9)))
     if num_computed:
         manager.allocate_slots(request, num_computed)
         request.num_computed_tokens = num_computed
     manager.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead)
-    held = len(manager.get_block_ids("r"))
+    held = len(block_ids(manager, "r"))
     assert held == num_blocks, f"{why}; the request holds {held}"
 
 
 @pytest.mark.ch02
 def test_allocate_slots_refuses_zero_tokens():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=20, max_model_len=10, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
     with pytest.raises(ValueError):
         manager.allocate_slots(make_request("r", list(range(5))), 0)
 
@@ -215,12 +238,12 @@ def test_allocate_slots_refuses_zero_tokens():
 @pytest.mark.ch02_t2
 @pytest.mark.ch02
 def test_allocate_slots_is_all_or_nothing():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=4, max_model_len=100, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)
     big = make_request("big", list(range(8)))
     assert manager.allocate_slots(big, 8) is not None, "8 tokens need 2 of the 3 free blocks"
     greedy = make_request("greedy", list(range(8)))
     assert manager.allocate_slots(greedy, 8) is None, "8 tokens need 2 blocks and only 1 is free: None"
-    assert manager.get_block_ids("greedy") == [] and "greedy" not in manager.req_to_blocks, (
+    assert block_ids(manager, "greedy") == [] and "greedy" not in group_blocks(manager), (
         "a refused request must hold nothing"
     )
     assert manager.block_pool.get_num_free_blocks() == 1, "a refused request must take no block"
@@ -299,8 +322,8 @@ def snapshot(manager: KVCacheManager):
     return (
         queue_ids(pool.free_block_queue),
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-        {rid: manager.get_block_ids(rid) for rid in manager.req_to_blocks},
-        dict(manager.num_cached_block),
+        {rid: block_ids(manager, rid) for rid in group_blocks(manager)},
+        dict(manager.coordinator.single_type_managers[0].num_cached_block),
         {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()},
     )
 
@@ -311,7 +334,7 @@ def check_invariants(manager: KVCacheManager, model: ReferenceCache, live: dict[
     assert free_queue == model.free_order, (
         f"the free queue is {free_queue}; the reference model's is {model.free_order}"
     )
-    block_tables = {rid: manager.get_block_ids(rid) for rid in live}
+    block_tables = {rid: block_ids(manager, rid) for rid in live}
     assert block_tables == model.req_blocks, (
         f"the block tables are {block_tables}; the reference model's are {model.req_blocks}"
     )
@@ -345,7 +368,7 @@ def check_invariants(manager: KVCacheManager, model: ReferenceCache, live: dict[
             f"model says it {'caches the prefix ' + str(cached) if cached is not None else 'caches nothing'}"
         )
         if block.block_hash is not None:
-            assert block.block_hash == expected_hash(cached), (
+            assert block.block_hash == make_block_hash_with_group_id(expected_hash(cached), 0), (
                 f"block {block.block_id}'s hash is not the chain hash of the prefix it caches, {cached}"
             )
             assert pool.cached_block_hash_to_block[block.block_hash][block.block_id] is block, (
@@ -379,7 +402,7 @@ def draw_prompt(data) -> list[int]:
 
 
 def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_model_len: int = 40) -> None:
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks, max_model_len, enable_caching)
+    manager = make_manager(num_gpu_blocks, max_model_len, enable_caching)
     model = ReferenceCache(num_gpu_blocks, enable_caching)
     live: dict[str, Request] = {}
     next_id = 0
@@ -390,12 +413,12 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
             next_id += 1
             hits, num_hit_tokens = manager.get_computed_blocks(request)
             num_hit_blocks = model.longest_hit(request.all_token_ids)
-            assert num_hit_tokens == num_hit_blocks * BLOCK_SIZE == len(hits) * BLOCK_SIZE, (
-                f"a prompt of {request.num_tokens} tokens hit {len(hits)} blocks and {num_hit_tokens} tokens; its "
+            assert num_hit_tokens == num_hit_blocks * BLOCK_SIZE == len(ids_of(hits)) * BLOCK_SIZE, (
+                f"a prompt of {request.num_tokens} tokens hit {len(ids_of(hits))} blocks and {num_hit_tokens} tokens; its "
                 f"longest cached prefix that leaves the last token to compute is {num_hit_blocks} blocks of {BLOCK_SIZE}"
             )
             assert num_hit_tokens < request.num_tokens, "the last prompt token must be computed, never hit"
-            for i, block in enumerate(hits):
+            for i, block in enumerate(hits.blocks[0]):
                 prefix = tuple(request.all_token_ids[: (i + 1) * BLOCK_SIZE])
                 assert model.content[block.block_id] == prefix, (
                     f"hit {i} is block {block.block_id}, which caches other tokens than the prompt's block {i}"
@@ -410,7 +433,7 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 request.all_token_ids,
                 0,
                 num_new,
-                [b.block_id for b in hits],
+                ids_of(hits),
                 num_lookahead,
                 max_model_len,
             )
@@ -467,7 +490,7 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
                 model.req_blocks[request.request_id][expected_common] in held_by_all
             ):
                 expected_common += 1  # without caching nothing is shared by design: 0 (vLLM v0.11.0)
-            common = manager.get_num_common_prefix_blocks(request, len(live))
+            (common,) = manager.get_num_common_prefix_blocks(request, len(live))
             assert common == expected_common, (
                 f"{common} common prefix blocks; every request holds {expected_common}"
             )
@@ -477,7 +500,7 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
         manager.free(request)
     pool = manager.block_pool
     assert pool.get_num_free_blocks() == num_gpu_blocks - 1, "with every request freed, every block is free"
-    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not manager.req_to_blocks, (
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not group_blocks(manager), (
         "freed requests hold nothing"
     )
     assert manager.reset_prefix_cache() and not pool.cached_block_hash_to_block, (
@@ -485,17 +508,17 @@ def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_mod
     )
 
 
-def check_fresh(fresh: list[KVCacheBlock] | None, expected: list[int]) -> None:
-    handed_out = None if fresh is None else [b.block_id for b in fresh]
+def check_fresh(fresh: KVCacheBlocks | None, expected: list[int]) -> None:
+    handed_out = None if fresh is None else ids_of(fresh)
     assert handed_out == expected, (
         f"allocate_slots handed out {handed_out}; the reference model, counting the blocks the request needs "
         f"beyond those it holds, hands out {expected} from the front of the free queue"
     )
 
 
-def check_refused(manager: KVCacheManager, fresh: list[KVCacheBlock] | None, before) -> None:
+def check_refused(manager: KVCacheManager, fresh: KVCacheBlocks | None, before) -> None:
     assert fresh is None, (
-        f"allocate_slots handed out {[b.block_id for b in fresh]}, but the free blocks cannot cover what the "
+        f"allocate_slots handed out {ids_of(fresh)}, but the free blocks cannot cover what the "
         "request needs (the reference model refuses): it must return None"
     )
     assert snapshot(manager) == before, "a refused allocate_slots must change nothing"
@@ -571,14 +594,15 @@ def test_block_hash_names_its_history_and_extra_keys():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_fully_cached_prompt_recomputes_its_last_block():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     first = make_request("a", list(range(8)))
-    assert manager.get_computed_blocks(first) == ([], 0), "an empty cache has no hits"
+    hits, num_hit_tokens = manager.get_computed_blocks(first)
+    assert ids_of(hits) == [] and num_hit_tokens == 0, "an empty cache has no hits"
     manager.allocate_slots(first, 8)
     manager.free(first)
     hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(8))))
-    assert num_hit_tokens == 4 and [b.block_id for b in hits] == [1], (
-        f"the same 8-token prompt again hit {num_hit_tokens} tokens in blocks {[b.block_id for b in hits]}; it must "
+    assert num_hit_tokens == 4 and ids_of(hits) == [1], (
+        f"the same 8-token prompt again hit {num_hit_tokens} tokens in blocks {ids_of(hits)}; it must "
         "hit only block 1 (4 tokens): the last token is always computed, so its whole block is"
     )
     num_hit_tokens = manager.get_computed_blocks(make_request("c", list(range(9))))[1]
@@ -593,16 +617,17 @@ def test_fully_cached_prompt_recomputes_its_last_block():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_the_first_miss_ends_the_hit():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     a = make_request("a", list(range(13)))  # 3 full blocks, then 1 token
     manager.allocate_slots(a, 13)
     manager.free(a)
     cached, _ = manager.get_computed_blocks(make_request("b", list(range(13))))
-    manager.block_pool._maybe_evict_cached_block(cached[1])  # the prompt's block 1 is gone; 0 and 2 stay
+    (cached_blocks,) = cached.blocks
+    manager.block_pool._maybe_evict_cached_block(cached_blocks[1])  # the prompt's block 1 is gone; 0 and 2 stay
     hits, num_hit_tokens = manager.get_computed_blocks(make_request("c", list(range(13))))
-    assert num_hit_tokens == 4 and hits == cached[:1], (
+    assert num_hit_tokens == 4 and ids_of(hits) == [cached_blocks[0].block_id], (
         f"with the prompt's block 1 evicted, the lookup hit {num_hit_tokens} tokens in blocks "
-        f"{[b.block_id for b in hits]}; a hit is a prefix, so it ends at the first miss: block 0 only"
+        f"{ids_of(hits)}; a hit is a prefix, so it ends at the first miss: block 0 only"
     )
 
 
@@ -612,13 +637,13 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
     # 3 usable blocks. A caches all 3 and finishes; B hits all 3 (still free, ref 0)
     # and needs a 4th. Counting only the 4th as "new" would say yes, then touching
     # the hits would leave nothing to allocate it from.
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=4, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=4, max_model_len=100)
     a = make_request("a", list(range(12)))
     manager.allocate_slots(a, 12)
     manager.free(a)
     b = make_request("b", list(range(16)))
     hits, num_hit_tokens = manager.get_computed_blocks(b)
-    assert num_hit_tokens == 12 and all(block.ref_cnt == 0 for block in hits), (
+    assert num_hit_tokens == 12 and all(block.ref_cnt == 0 for block in hits.blocks[0]), (
         f"a 16-token prompt whose first 12 tokens are cached in 3 free blocks hit {num_hit_tokens} tokens, not 12"
     )
     before = snapshot(manager)
@@ -631,7 +656,7 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_eviction_is_lru_and_tail_first():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=7, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=7, max_model_len=100)
     pool = manager.block_pool
     a = make_request("a", [1] * 8 + [0])  # blocks 1, 2 full; block 3 partial
     b = make_request("b", [2] * 8 + [0])  # blocks 4, 5 full; block 6 partial
@@ -645,7 +670,7 @@ def test_eviction_is_lru_and_tail_first():
     )
     filler = make_request("f", [3] * 5)
     manager.allocate_slots(filler, 5)  # takes blocks 3 and 2: a's partial and a's tail
-    assert manager.get_block_ids("f") == [3, 2], "new blocks come from the front of the free queue"
+    assert block_ids(manager, "f") == [3, 2], "new blocks come from the front of the free queue"
     num_hit_tokens = manager.get_computed_blocks(make_request("a2", [1] * 8 + [0]))[1]
     assert num_hit_tokens == 4, (
         f"a's block 2 was evicted, its block 1 was not: 4 tokens hit, not {num_hit_tokens}"
@@ -656,18 +681,19 @@ def test_eviction_is_lru_and_tail_first():
     b3 = make_request("b3", [2] * 8 + [5])
     hits, num_hit_tokens = manager.get_computed_blocks(b3)
     manager.allocate_slots(b3, 1, num_hit_tokens, hits)
-    assert [blk.block_id for blk in hits] == [4, 5] and 4 not in queue_ids(pool.free_block_queue), (
+    assert ids_of(hits) == [4, 5] and 4 not in queue_ids(pool.free_block_queue), (
         "a hit on free blocks 4 and 5 takes them out of the free queue"
     )
 
 
 @pytest.mark.ch03
 def test_caching_disabled_never_hits_or_hashes():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100, enable_caching=False)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100, enable_caching=False)
     a = make_request("a", list(range(9)))
     manager.allocate_slots(a, 9)
     manager.free(a)
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(9))))
+    assert ids_of(hits) == [] and num_hit_tokens == 0
     assert not manager.block_pool.cached_block_hash_to_block
     assert all(block.block_hash is None for block in manager.block_pool.blocks)
 
@@ -675,12 +701,12 @@ def test_caching_disabled_never_hits_or_hashes():
 @pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_lookahead_slots_are_not_cached():
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=10, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     a = make_request("a", list(range(6)))
     manager.allocate_slots(a, 6, num_lookahead_tokens=6)  # 12 slots -> 3 blocks
-    assert len(manager.get_block_ids("a")) == 3, "6 tokens and 6 lookahead slots take 3 blocks"
-    hashed = [b.block_hash is not None for b in manager.req_to_blocks["a"]]
-    assert manager.num_cached_block["a"] == 1 and hashed == [True, False, False], (
+    assert len(block_ids(manager, "a")) == 3, "6 tokens and 6 lookahead slots take 3 blocks"
+    hashed = [b.block_hash is not None for b in group_blocks(manager)["a"]]
+    assert manager.coordinator.single_type_managers[0].num_cached_block["a"] == 1 and hashed == [True, False, False], (
         f"of 6 tokens and 6 lookahead slots only tokens 0-3 fill a block of final tokens: block 0 alone is "
         f"cached, but the blocks with hashes are {hashed}"
     )
@@ -691,7 +717,7 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     # A prefills in two chunks; B, with the same prompt, arrives in between, hits A's
     # first block and computes blocks 1 and 2 itself. A then computes its own copies:
     # two blocks per hash, both in the index, and block tables stay append-only.
-    manager = KVCacheManager(BLOCK_SIZE, num_gpu_blocks=6, max_model_len=100)
+    manager = make_manager(num_gpu_blocks=6, max_model_len=100)
     pool = manager.block_pool
     prompt = list(range(12))
     a, b = make_request("a", prompt), make_request("b", prompt)
@@ -701,11 +727,11 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     assert num_hit_tokens == 4
     manager.allocate_slots(b, 8, num_hit_tokens, hits)
     manager.allocate_slots(a, 8)
-    assert manager.get_block_ids("a") == [1, 4, 5] and manager.get_block_ids("b") == [1, 2, 3]
+    assert block_ids(manager, "a") == [1, 4, 5] and block_ids(manager, "b") == [1, 2, 3]
     assert {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()} == {
-        a.block_hashes[0]: [1],
-        a.block_hashes[1]: [2, 4],
-        a.block_hashes[2]: [3, 5],
+        make_block_hash_with_group_id(a.block_hashes[0], 0): [1],
+        make_block_hash_with_group_id(a.block_hashes[1], 0): [2, 4],
+        make_block_hash_with_group_id(a.block_hashes[2], 0): [3, 5],
     }
     manager.free(b)
     manager.free(a)
@@ -714,7 +740,7 @@ def test_duplicate_blocks_are_all_indexed_and_evicted_one_by_one():
     assert manager.get_computed_blocks(longer)[1] == 12
     manager.allocate_slots(make_request("filler", [50] * 8), 8)  # evicts B's copies, 3 and 2
     hits, num_hit_tokens = manager.get_computed_blocks(longer)
-    assert num_hit_tokens == 12 and [block.block_id for block in hits] == [1, 4, 5]
+    assert num_hit_tokens == 12 and ids_of(hits) == [1, 4, 5]
 
 
 # ----------------------------------------------------------------------------- ch03: statistics

@@ -79,7 +79,8 @@ def test_kv_bytes_match_the_model_runners_page_size(tiny_engine_config):
     runner.load_model()
     shape = ModelShape.from_config(tiny_engine_config.model_config)
     block_size = tiny_engine_config.cache_config.block_size
-    assert runner.get_kv_cache_page_size() == shape.kv_bytes_per_token(runner.dtype.itemsize) * block_size
+    page_size = sum(spec.page_size_bytes for spec in runner.get_kv_cache_spec().values())  # all layers
+    assert page_size == shape.kv_bytes_per_token(runner.dtype.itemsize) * block_size
     # Decode: one new token per request is written; each request's whole context is read.
     cost = step_cost(shape, [1, 1, 1], [5, 9, 20], dtype_bytes=4)
     assert cost.kv_write_bytes == 3 * shape.kv_bytes_per_token(4)

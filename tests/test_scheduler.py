@@ -65,7 +65,7 @@ class FakeModelRunner:
                 d.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
-            self.block_ids[new.req_id] = list(new.block_ids)
+            (self.block_ids[new.req_id],) = map(list, new.block_ids)  # one KV cache group
             self.num_computed[new.req_id] = new.num_computed_tokens
             self.max_tokens[new.req_id] = len(new.prompt_token_ids) + new.sampling_params.max_tokens
         cached = so.scheduled_cached_reqs
@@ -73,9 +73,9 @@ class FakeModelRunner:
             cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
         ):
             if resumed:
-                self.block_ids[rid] = list(new_blocks)
-            else:
-                self.block_ids[rid].extend(new_blocks)
+                (self.block_ids[rid],) = map(list, new_blocks)
+            elif new_blocks is not None:
+                self.block_ids[rid].extend(new_blocks[0])
                 # Progress must match what the runner itself has computed so far.
                 assert computed == self.num_computed[rid], (
                     f"{rid}: the scheduler says {computed} tokens are computed; the runner computed {self.num_computed[rid]}"
@@ -143,12 +143,13 @@ def check_kv_invariants(sched: Scheduler) -> None:
     manager = sched.kv_cache_manager
     holders: dict[int, int] = {}
     for req in sched.running:
-        blocks = manager.req_to_blocks[req.request_id]
-        assert len(blocks) * sched.block_size >= req.num_computed_tokens, (
-            f"{req.request_id} has {req.num_computed_tokens} computed tokens but only {len(blocks)} blocks"
-        )
-        for b in blocks:
-            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for blocks in manager.get_blocks(req.request_id).blocks:  # every KV cache group (chapter 12)
+            assert len(blocks) * sched.block_size >= req.num_computed_tokens, (
+                f"{req.request_id} has {req.num_computed_tokens} computed tokens but only {len(blocks)} blocks"
+            )
+            for b in blocks:
+                if not b.is_null:  # a sliding window's dropped blocks (chapter 12)
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
     for block in manager.block_pool.blocks[1:]:
         assert block.ref_cnt == holders.get(block.block_id, 0), (
             f"block {block.block_id} has ref_cnt {block.ref_cnt} but {holders.get(block.block_id, 0)} running holders"
@@ -157,8 +158,10 @@ def check_kv_invariants(sched: Scheduler) -> None:
             assert block.block_hash is not None, "only cached full blocks may be shared"
 
 
-def run_workload(sched: Scheduler, requests, abort_prob: float, rng: random.Random, max_steps: int = 5000):
-    runner = FakeModelRunner(sched.block_size, sched.num_spec_tokens, rng)
+def run_workload(
+    sched: Scheduler, requests, abort_prob: float, rng: random.Random, max_steps: int = 5000, runner=None
+):
+    runner = runner or FakeModelRunner(sched.block_size, sched.num_spec_tokens, rng)
     pending = list(requests)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     aborted: set[str] = set()

@@ -357,7 +357,7 @@ def test_rejected_drafts_roll_back_and_their_slots_are_reused():
     assert so.num_scheduled_tokens == {"a": 6} and so.scheduled_spec_decode_tokens == {
         "a": [11, 12, 13, 14, 15]
     }
-    blocks = sched.kv_cache_manager.get_block_ids("a")
+    (blocks,) = sched.kv_cache_manager.get_block_ids("a")
     assert len(blocks) == 3  # 4 known tokens + 5 drafts = 9 slots
     # Two drafts accepted, then a correction: 3 tokens gained, 3 drafts rolled back.
     out = sched.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[11, 12, 20]]))
@@ -369,7 +369,7 @@ def test_rejected_drafts_roll_back_and_their_slots_are_reused():
     # The next step's tokens go into the slots the rejected drafts used: no new block.
     sched.update_draft_token_ids(DraftTokenIds(["a"], [[21]]))
     so = sched.schedule()
-    assert so.num_scheduled_tokens == {"a": 2} and sched.kv_cache_manager.get_block_ids("a") == blocks
+    assert so.num_scheduled_tokens == {"a": 2} and sched.kv_cache_manager.get_block_ids("a") == (blocks,)
 
 
 def test_drafts_are_clipped_at_max_tokens_and_max_model_len():

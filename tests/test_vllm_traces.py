@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kv_cache_configs import full_attention_kv_cache_config
 from vllm_v0_11_0.trace_fields import output_fields, schedule_fields, state_fields
 
 from nano_v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
@@ -148,7 +149,9 @@ def build_scheduler(config: dict) -> Scheduler:
         if config["num_spec_tokens"]
         else None
     )
-    return Scheduler(vllm_config)
+    return Scheduler(
+        vllm_config, full_attention_kv_cache_config(config["num_gpu_blocks"], config["block_size"])
+    )
 
 
 def make_request(spec: dict, block_hasher) -> Request:
@@ -167,11 +170,6 @@ def make_request(spec: dict, block_hasher) -> Request:
         priority=spec["priority"],
         block_hasher=block_hasher,
     )
-
-
-def same_group(value):
-    """nano_v1 keeps one KV cache group: its values are already the group's."""
-    return value
 
 
 def ordered(value):
@@ -235,7 +233,7 @@ def replay(trace: dict, checked=frozenset(ALL_FIELDS)) -> None:
             workload,
             step,
             entry,
-            schedule_fields(sched, so, was_running, same_group),
+            schedule_fields(sched, so, was_running),
             SCHEDULE_FIELDS,
             checked,
         )
@@ -253,7 +251,7 @@ def replay(trace: dict, checked=frozenset(ALL_FIELDS)) -> None:
         if "draft_token_ids" in entry:
             drafts = entry["draft_token_ids"]
             sched.update_draft_token_ids(DraftTokenIds(list(drafts), [list(d) for d in drafts.values()]))
-        compare(workload, step, entry["after"], state_fields(sched, same_group), STATE_FIELDS, checked)
+        compare(workload, step, entry["after"], state_fields(sched), STATE_FIELDS, checked)
     assert not sched.has_unfinished_requests(), (
         f"{workload}: nano_v1 has requests left after the trace's last step"
     )

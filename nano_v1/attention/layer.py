@@ -1,6 +1,6 @@
 """The `Attention` layer a model holds: heads and a scale in, attention over the paged cache out.
 
-Mirrors vllm/attention/layer.py (chapters 01 and 06).
+Mirrors vllm/attention/layer.py (chapters 01, 06 and 12).
 
 Why it exists: the model code says only "attend" (`self.attn(q, k, v)`), exactly as in a
 Hugging Face model. Everything that depends on the step — which cache slots to write,
@@ -8,7 +8,10 @@ which blocks each request's context lives in — comes from the forward context 
 model runner sets around the forward call, and the KV cache tensor is bound to the layer
 by the runner after it sizes the cache. So the model's `forward(input_ids, positions)`
 needs no extra arguments, and the backend can change without touching any model: the
-layer asks the selector for the backend the config names, as vLLM's does.
+layer asks the selector for the backend the config names, as vLLM's does. A layer may
+have a sliding window (chapter 12): its queries then see only their last
+`sliding_window` keys, and the runner gives it its KV cache group's metadata (the
+forward context maps layer names to metadata).
 
 Chapter 08: to torch.compile, attention is one custom op, `unified_attention_with_output`
 (registered with torch.library), so that Dynamo records it as a single opaque node instead
@@ -49,15 +52,27 @@ def _(
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads over the paged KV cache of one layer."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        prefix: str,
+        per_layer_sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.layer_name = prefix  # e.g. "model.layers.0.self_attn.attn": the runner binds caches by it
+        # Keys a query sees, its own included; None: the whole context. The runner's KV cache
+        # spec for this layer follows it (a SlidingWindowSpec when set).
+        self.sliding_window = per_layer_sliding_window
         # The backend the engine's config chose (the model is built under set_current_vllm_config).
         self.attn_backend = get_attn_backend(get_current_vllm_config().model_config.attention_backend)
-        self.impl = self.attn_backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+        impl_cls = self.attn_backend.get_impl_cls()
+        self.impl = impl_cls(num_heads, head_size, scale, num_kv_heads, self.sliding_window)
         # [2, num_blocks, block_size, num_kv_heads, head_size], bound by the model runner.
         # A plain attribute, not a buffer: the cache is not part of the model's state dict.
         self.kv_cache = torch.tensor([])
@@ -81,6 +96,8 @@ class Attention(nn.Module):
     ) -> None:
         """Cache this step's keys and values and write the attention into `output`."""
         attn_metadata = get_forward_context().attn_metadata
+        if isinstance(attn_metadata, dict):
+            attn_metadata = attn_metadata[self.layer_name]  # the runner's: one per KV cache group
         self.impl.forward(
             self,
             query.view(-1, self.num_heads, self.head_size),  # [num_tokens, num_heads, head_size]
@@ -94,5 +111,5 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, "
-            f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}"
+            f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, sliding_window={self.sliding_window}"
         )

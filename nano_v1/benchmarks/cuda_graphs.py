@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from nano_v1.benchmarks.throughput import time_llm_generate
-from nano_v1.benchmarks.utils import SuiteContext, max_warm_up_steps, sample_random_requests, time_decode_steps
+from nano_v1.benchmarks.utils import (
+    SuiteContext,
+    max_warm_up_steps,
+    sample_random_requests,
+    time_decode_steps,
+)
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Engine arguments of each mode. FULL_AND_PIECEWISE: a pure decode step is one full graph.

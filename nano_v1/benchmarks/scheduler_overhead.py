@@ -29,10 +29,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from nano_v1.benchmarks.utils import length_range, print_table, run_on_model, sample_random_requests, write_json
+from nano_v1.benchmarks.utils import (
+    length_range,
+    print_table,
+    run_on_model,
+    sample_random_requests,
+    write_json,
+)
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
+from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from nano_v1.request import Request
 from nano_v1.sample.sampler import SamplerOutput
@@ -78,8 +85,13 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     cache_config.num_gpu_blocks = cache_config.num_gpu_blocks_override or 1 + sum(
         -(-(r.prompt_len + r.output_len) // block_size) for r in workload
     )
+    # No model is loaded, so no layer reports its spec: one full-attention KV cache group, as
+    # every layer of the models this benchmark is meant for (a window would be ignored here).
+    model_config = vllm_config.model_config
+    spec = FullAttentionSpec(block_size, model_config.get_num_kv_heads(), model_config.get_head_size(), model_config.dtype)
+    kv_cache_config = KVCacheConfig(cache_config.num_gpu_blocks, [], [KVCacheGroupSpec(["all layers"], spec)])
 
-    scheduler = Scheduler(vllm_config)
+    scheduler = Scheduler(vllm_config, kv_cache_config)
     # On a GPU the runner's host-to-device copies are part of its per-step cost.
     runner = GPUModelRunner(vllm_config, torch.device(vllm_config.device_config.device))
     block_hasher = get_request_block_hasher(block_size) if cache_config.enable_prefix_caching else None

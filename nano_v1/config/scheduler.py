@@ -31,6 +31,9 @@ class SchedulerConfig:
     """Cap on the tokens one request may take in a step; 0 means no cap beyond the budget."""
     policy: str = "fcfs"
     """Order of the waiting queue, and of preemption: fcfs or priority."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Give every attention layer blocks for every token, even sliding-window layers that attend to
+    fewer (chapter 12)."""
     scheduler_reserve_full_isl: bool = False
     """Admit a waiting request only if the free KV blocks cover its whole prompt, not just
     its first chunk (vLLM 0.33's option, on by default there; v0.11.0 has no such gate)."""

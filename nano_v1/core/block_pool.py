@@ -1,19 +1,27 @@
 """The pool of KV cache blocks: allocation, reference counts, and the prefix-cache index.
 
-Mirrors vllm/v1/core/block_pool.py (chapters 02 and 03).
+Mirrors vllm/v1/core/block_pool.py (chapters 02, 03 and 12).
 
 Why it exists: every request's KV lives in fixed-size blocks drawn from one pool, so
 memory is handed out in small units and nothing is reserved for tokens not yet
 generated. With prefix caching the same pool is also the cache: a freed block keeps
 its contents and its hash until the block is handed out again, so "free" and "cached"
-are not separate memory, and eviction costs nothing until the space is needed.
+are not separate memory, and eviction costs nothing until the space is needed. With
+several KV cache groups (chapter 12) the pool is shared: any block can go to any group,
+and the cache index keys a block by its hash *and* its group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nano_v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from nano_v1.core.kv_cache_utils import (
+    BlockHash,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
 from nano_v1.request import Request
 
 
@@ -35,20 +43,30 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        # {block hash: {block_id: block}}. Usually one block per hash; two requests that
-        # computed the same prefix in the same step each cache their own copy (blocks
+        # {(block hash, group): {block_id: block}}. Usually one block per key; two requests
+        # that computed the same prefix in the same step each cache their own copy (blocks
         # are never swapped for a cached twin: block tables are append-only).
-        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
         # Block 0 is a placeholder the runner can point at (e.g. padded block-table
-        # entries; skipped sliding-window blocks in chapter 12). Nobody owns it: it is
+        # entries; skipped sliding-window blocks, chapter 12). Nobody owns it: it is
         # taken out of the free queue here, and its ref_cnt is never maintained.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """A block holding exactly this prefix, or None. Does not change any state."""
-        blocks = self.cached_block_hash_to_block.get(block_hash)
-        return next(iter(blocks.values())) if blocks else None
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+    ) -> list[KVCacheBlock] | None:
+        """For each group, a block holding exactly this prefix; None if any group misses.
+
+        Does not change any state.
+        """
+        cached_blocks = []
+        for group_id in kv_cache_group_ids:
+            blocks = self.cached_block_hash_to_block.get(make_block_hash_with_group_id(block_hash, group_id))
+            if not blocks:
+                return None
+            cached_blocks.append(next(iter(blocks.values())))
+        return cached_blocks
 
     def cache_full_blocks(
         self,
@@ -57,12 +75,14 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        kv_cache_group_id: int,
     ) -> None:
         """Register `blocks[num_cached_blocks:num_full_blocks]`, newly full, in the cache.
 
-        `blocks` is the request's whole block list; the first `num_cached_blocks` are
-        already registered (or were cache hits). Hashes come from `request.block_hashes`,
-        computed as the tokens arrived, so caching costs a dict insert per block.
+        `blocks` is the request's whole block list in group `kv_cache_group_id`; the first
+        `num_cached_blocks` are already registered (or were cache hits). Hashes come from
+        `request.block_hashes`, computed as the tokens arrived, so caching costs a dict
+        insert per block.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -74,8 +94,9 @@ class BlockPool:
             blocks[num_cached_blocks:num_full_blocks],
             request.block_hashes[num_cached_blocks:num_full_blocks],
         ):
-            block.block_hash = block_hash  # asserts the block had no hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            block.block_hash = key  # asserts the block had no hash
+            self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Hand out `num_blocks` blocks from the front of the free queue (ref_cnt 0 -> 1).
@@ -105,12 +126,15 @@ class BlockPool:
         block.reset_hash()
         return True
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on cache-hit blocks; a hit on a free block rescues it from eviction."""
-        for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
-                self.free_block_queue.remove(block)
-            block.ref_cnt += 1
+    def touch(self, blocks: tuple[list[KVCacheBlock], ...]) -> None:
+        """Take a reference on cache-hit blocks (one list per group); a hit on a free block
+        rescues it from eviction. A hit may list the null block (a sliding window's skipped
+        blocks): it is never in the queue, and its count means nothing."""
+        for blocks_per_group in blocks:
+            for block in blocks_per_group:
+                if block.ref_cnt == 0 and not block.is_null:
+                    self.free_block_queue.remove(block)
+                block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue's back.

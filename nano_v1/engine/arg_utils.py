@@ -61,6 +61,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
     scheduling_policy: str = SchedulerConfig.policy
+    disable_hybrid_kv_cache_manager: bool = SchedulerConfig.disable_hybrid_kv_cache_manager
     scheduler_reserve_full_isl: bool = SchedulerConfig.scheduler_reserve_full_isl
     max_num_encoder_input_tokens: int | None = SchedulerConfig.max_num_encoder_input_tokens
     encoder_cache_size: int | None = SchedulerConfig.encoder_cache_size
@@ -136,6 +137,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
                 scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                 encoder_cache_size=self.encoder_cache_size,
@@ -196,6 +198,7 @@ _CLI_GROUPS: list[tuple[str, type, list[str]]] = [
             "enable_chunked_prefill",
             "long_prefill_token_threshold",
             "scheduling_policy",
+            "disable_hybrid_kv_cache_manager",
             "scheduler_reserve_full_isl",
             "max_num_encoder_input_tokens",
             "encoder_cache_size",

@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from nano_v1.config import VllmConfig
-from nano_v1.core.kv_cache_utils import get_request_block_hasher
+from nano_v1.core.kv_cache_utils import (
+    get_kv_cache_configs,
+    get_max_concurrency_for_kv_cache_config,
+    get_num_blocks_per_request,
+    get_request_block_hasher,
+)
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine import (
     EngineCoreOutputs,
@@ -37,6 +42,7 @@ from nano_v1.engine import (
     UtilityOutput,
 )
 from nano_v1.executor import Executor
+from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.request import Request, RequestStatus
 from nano_v1.utils import exit_when_parent_dies, make_zmq_socket
 
@@ -49,45 +55,56 @@ class EngineCore:
         # Starts the workers, initialises their devices and loads the model on each.
         self.model_executor = Executor.get_class(vllm_config)(vllm_config)
         try:
-            self._initialize_kv_caches()
+            kv_cache_config = self._initialize_kv_caches()
         except BaseException:
             self.model_executor.shutdown()  # no worker process outlives a failed start
             raise
-        self.scheduler = Scheduler(vllm_config)
+        self.scheduler = Scheduler(vllm_config, kv_cache_config)
         cache_config = vllm_config.cache_config
         self.request_block_hasher = (
             get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None
         )
 
-    def _initialize_kv_caches(self) -> None:
-        """Size the paged KV cache from the memory left after the model (chapter 02), then
-        allocate it on every rank and compile (chapter 08).
+    def _initialize_kv_caches(self) -> KVCacheConfig:
+        """Size the paged KV cache from the memory left after the model (chapters 02 and 12),
+        then allocate it on every rank and compile (chapter 08).
 
-        Every rank holds the same block ids (a block is a slot range in each rank's cache of
-        its own heads), so the block count is what the tightest rank can hold.
+        Each worker says what its layers need (`get_kv_cache_spec`: a rank counts only its
+        own KV heads) and how much memory is left; `get_kv_cache_configs` groups the layers
+        and counts the blocks that fit (or takes `num_gpu_blocks_override`, and then nothing
+        is profiled). Every rank holds the same block ids, so the block count is what the
+        tightest rank can hold.
         """
-        cache_config = self.vllm_config.cache_config
-        max_model_len = self.vllm_config.model_config.max_model_len
+        vllm_config = self.vllm_config
+        cache_config = vllm_config.cache_config
         start = time.perf_counter()
-        page_size = self.model_executor.get_kv_cache_page_size()  # bytes per block on one rank, all layers
+        kv_cache_specs = self.model_executor.get_kv_cache_specs()
         if cache_config.num_gpu_blocks_override is not None:
-            num_blocks = cache_config.num_gpu_blocks_override
+            available_memory = [0] * len(kv_cache_specs)  # unused: the override sets the block count
         else:
-            num_blocks = min(self.model_executor.determine_available_memory()) // page_size
+            available_memory = self.model_executor.determine_available_memory()
+        kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
+        kv_cache_config = kv_cache_configs[0]  # the scheduler's view: every rank's groups and block count
         # Block 0 is the null block, never handed out: one request of max_model_len must fit in the rest.
-        capacity = (num_blocks - 1) * cache_config.block_size
-        if capacity < max_model_len:
+        if get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config) < 1:
             raise ValueError(
-                f"the KV cache holds {max(capacity, 0)} tokens ({num_blocks} blocks of {cache_config.block_size}), "
-                f"fewer than max_model_len={max_model_len}: lower max_model_len or give the cache more memory "
-                "(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)."
+                f"the KV cache holds {max(kv_cache_config.num_blocks - 1, 0)} usable blocks of "
+                f"{cache_config.block_size} tokens, fewer than the "
+                f"{get_num_blocks_per_request(vllm_config, kv_cache_config)} that one request of "
+                f"max_model_len={vllm_config.model_config.max_model_len} needs: lower max_model_len or give the "
+                "cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)."
             )
-        cache_config.num_gpu_blocks = num_blocks
-        self.model_executor.initialize_from_config(num_blocks)
+        cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.model_executor.initialize_from_config(kv_cache_configs)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB per rank) in %.2f s",
-            num_blocks, cache_config.block_size, num_blocks * page_size / 2**20, time.perf_counter() - start,
+            "KV cache: %d blocks x %d tokens in %d group(s) (%.1f MiB per rank) in %.2f s",
+            kv_cache_config.num_blocks,
+            cache_config.block_size,
+            len(kv_cache_config.kv_cache_groups),
+            sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors) / 2**20,
+            time.perf_counter() - start,
         )
+        return kv_cache_config
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:

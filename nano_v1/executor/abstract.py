@@ -7,8 +7,8 @@ vllm/executor/uniproc_executor.py and re-exports them there) (chapter 13).
 Why it exists: the engine core schedules once per step and needs the step run on every
 rank, with one `ModelRunnerOutput` back. Whether that is one `Worker` in this process,
 one worker process per GPU, or one engine per process started by torchrun is the
-executor's business: `EngineCore` calls `execute_model`, `determine_available_memory`,
-`initialize_from_config` and `collective_rpc` and never touches a worker.
+executor's business: `EngineCore` calls `execute_model`, `get_kv_cache_specs`,
+`determine_available_memory`, `initialize_from_config` and `collective_rpc` and never touches a worker.
 
     Executor.get_class(vllm_config), by parallel_config.distributed_executor_backend:
       "uni"               UniProcExecutor               one Worker, in this process
@@ -27,6 +27,7 @@ import torch.distributed
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.utils import run_method
 from nano_v1.worker.gpu_worker import Worker
@@ -74,14 +75,19 @@ class Executor:
         """Bytes each worker can give its KV cache (the engine core takes the minimum)."""
         return self.collective_rpc("determine_available_memory")
 
-    def get_kv_cache_page_size(self) -> int:
-        """Bytes of one KV block on one rank, all layers (vLLM: get_kv_cache_specs). Equal on every
-        rank: each holds the same number of KV heads."""
-        return self.collective_rpc("get_kv_cache_page_size")[0]
+    def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
+        """Each worker's KV cache spec per attention layer, in rank order (chapter 12); a rank's
+        specs count only its own KV heads."""
+        return self.collective_rpc("get_kv_cache_spec")
 
-    def initialize_from_config(self, num_gpu_blocks: int) -> None:
-        """Allocate every rank's KV cache, then compile and capture (vLLM passes a KVCacheConfig per worker)."""
-        self.collective_rpc("initialize_kv_cache", args=(num_gpu_blocks,))
+    def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        """Allocate every rank's KV cache, then compile and capture.
+
+        vLLM hands each worker its own config (pipeline-parallel ranks hold different
+        layers); with tensor parallelism alone every rank holds every layer, with its share
+        of the heads, so the configs are equal and each worker gets the one."""
+        assert all(config == kv_cache_configs[0] for config in kv_cache_configs), "ranks disagree on the KV cache"
+        self.collective_rpc("initialize_from_config", args=(kv_cache_configs[0],))
         self.collective_rpc("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

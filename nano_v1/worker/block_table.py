@@ -1,13 +1,15 @@
-"""Block table: which KV cache blocks hold each request of the persistent batch.
+"""Block tables: which KV cache blocks hold each request of the persistent batch, per KV cache group.
 
-Mirrors vllm/v1/worker/block_table.py (chapter 05), and `CpuGpuBuffer` from vllm/v1/utils.py.
+Mirrors vllm/v1/worker/block_table.py (chapters 05 and 12), and `CpuGpuBuffer` from vllm/v1/utils.py.
 
 Why it exists: the attention kernel finds a request's keys and values through a row of
 block ids (`block_table[i, j]` is the block holding tokens `j*block_size ..
 (j+1)*block_size - 1` of request i), and writes this step's new keys and values to the
 slots named by `slot_mapping`. Both are kept in preallocated CPU buffers that the
 runner edits in place with the scheduler's diff (a few new block ids per step) and
-copies to the device once per step; nothing is rebuilt from Python lists.
+copies to the device once per step; nothing is rebuilt from Python lists. A hybrid model
+(chapter 12) has one `BlockTable` per KV cache group, each with its own slot mapping:
+the same token sits in different blocks in different groups (`MultiGroupBlockTable`).
 """
 
 from __future__ import annotations
@@ -112,3 +114,52 @@ class BlockTable:
     def commit_slot_mapping(self, num_tokens: int) -> torch.Tensor:
         """Copy the first `num_tokens` slots to the device; return them there."""
         return self.slot_mapping.copy_to_gpu(num_tokens)
+
+
+class MultiGroupBlockTable:
+    """One `BlockTable` per KV cache group, all moved together (a batch row is a request in every group).
+
+    Rows are edited per group with that group's block ids (`block_ids[g]`). A sliding
+    window's dropped blocks are never removed here: the scheduler sends only new blocks,
+    so a row keeps stale ids before the window, which no kernel reads.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        pin_memory: bool,
+        device: torch.device,
+        block_sizes: list[int],
+    ) -> None:
+        self.block_tables = [
+            BlockTable(
+                block_size,
+                max_num_reqs,
+                -(-max_model_len // block_size),
+                max_num_batched_tokens,
+                pin_memory,
+                device,
+            )
+            for block_size in block_sizes
+        ]
+
+    def append_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
+        for block_table, ids in zip(self.block_tables, block_ids):
+            block_table.append_row(ids, row_idx)
+
+    def add_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
+        for block_table, ids in zip(self.block_tables, block_ids):
+            block_table.add_row(ids, row_idx)
+
+    def move_row(self, src: int, tgt: int) -> None:
+        for block_table in self.block_tables:
+            block_table.move_row(src, tgt)
+
+    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> None:
+        for block_table in self.block_tables:
+            block_table.compute_slot_mapping(req_indices, positions)
+
+    def __getitem__(self, kv_cache_group_id: int) -> BlockTable:
+        return self.block_tables[kv_cache_group_id]

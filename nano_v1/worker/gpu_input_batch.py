@@ -1,6 +1,6 @@
 """Persistent input batch: per-request state kept in preallocated columns between steps.
 
-Mirrors vllm/v1/worker/gpu_input_batch.py (chapter 05).
+Mirrors vllm/v1/worker/gpu_input_batch.py (chapters 05 and 12).
 
 Why it exists: rebuilding the batch every step costs O(batch x context) Python work;
 keeping each request in a fixed row of preallocated arrays and applying only the
@@ -22,7 +22,7 @@ from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MinTokensLogitsProcessor
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sampling_params import SamplingParams
-from nano_v1.worker.block_table import BlockTable, CpuGpuBuffer
+from nano_v1.worker.block_table import CpuGpuBuffer, MultiGroupBlockTable
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None  # set for seeded requests only
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group
     num_computed_tokens: int
     output_token_ids: list[int]
     # The prompt's images (chapter 11): where their encoder outputs go, and their hashes.
@@ -56,7 +56,7 @@ class CachedRequestState:
             prompt_token_ids=new_req.prompt_token_ids,
             sampling_params=params,
             generator=generator,
-            block_ids=list(new_req.block_ids),
+            block_ids=tuple(list(ids) for ids in new_req.block_ids),
             num_computed_tokens=new_req.num_computed_tokens,
             output_token_ids=[],
             mm_features=new_req.mm_features,
@@ -75,7 +75,7 @@ class InputBatch:
     """Up to `max_num_reqs` requests, row-aligned across every column below.
 
     Invariant after `condense`: rows `0 .. num_reqs-1` are occupied, and
-    `req_ids[i]`, `token_ids_cpu[i]`, `num_computed_tokens_cpu[i]`, block table row i and
+    `req_ids[i]`, `token_ids_cpu[i]`, `num_computed_tokens_cpu[i]`, row i of every block table and
     every sampling column at i describe the same request.
     """
 
@@ -87,7 +87,7 @@ class InputBatch:
         device: torch.device,
         pin_memory: bool,
         vocab_size: int,
-        block_size: int,
+        block_sizes: list[int],
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
@@ -105,13 +105,14 @@ class InputBatch:
         self.num_computed_tokens_cpu_tensor = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.num_computed_tokens_cpu = self.num_computed_tokens_cpu_tensor.numpy()
 
-        self.block_table = BlockTable(
-            block_size=block_size,
+        # One block table per KV cache group (chapter 12); most models have one.
+        self.block_table = MultiGroupBlockTable(
             max_num_reqs=max_num_reqs,
-            max_num_blocks_per_req=-(-max_model_len // block_size),
+            max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             pin_memory=pin_memory,
             device=device,
+            block_sizes=block_sizes,
         )
 
         # Sampling columns, and the sets that let the sampler skip work nobody asked for.

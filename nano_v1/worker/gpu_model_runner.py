@@ -1,6 +1,6 @@
 """The model runner: scheduler output in, one forward pass and one sample per request out.
 
-Mirrors vllm/v1/worker/gpu_model_runner.py (chapter 05).
+Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05 and 12).
 
 Why it is shaped this way: a step's inputs are a flat, ragged batch (every scheduled
 token of every request, back to back), and nearly all of it is already known from the
@@ -24,19 +24,24 @@ the scheduler frees them, and gathers the rows of this step's image positions
 (`_gather_mm_embeddings`) into the token embeddings. Its forward pass then takes
 embeddings instead of token ids, on every step, so that one compiled graph (and one set
 of CUDA graphs) serves steps with and without images.
+
+Chapter 12: the model's attention layers form KV cache groups (`KVCacheConfig`), each
+with its own block table and slot mapping, so each step has one attention metadata per
+group, and every layer reads its group's (the forward context maps layer name ->
+metadata, as vLLM's does). Layers of different groups may share a KV cache tensor: the
+block pool never gives one block to two groups.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
 import torch
 from torch import nn
 
-from nano_v1.attention.backends.flash_attn import get_num_sms
+from nano_v1.attention.backends.flash_attn import FlashAttentionMetadata, get_num_sms
 from nano_v1.attention.backends.utils import AttentionCGSupport, CommonAttentionMetadata
 from nano_v1.attention.layer import Attention
 from nano_v1.attention.selector import get_attn_backend
@@ -47,6 +52,12 @@ from nano_v1.config import CompilationLevel, CUDAGraphMode, VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
 from nano_v1.forward_context import BatchDescriptor, set_forward_context
+from nano_v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from nano_v1.model_executor.model_loader import get_model
 from nano_v1.multimodal import MULTIMODAL_REGISTRY
 from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput, StepTiming
@@ -88,16 +99,19 @@ class GPUModelRunner:
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
         self.max_num_reqs = self.scheduler_config.max_num_seqs
         self.block_size = self.cache_config.block_size
-        # This rank's attention heads (chapter 13): a tp-th of the query heads, and of the KV
-        # heads too, or one KV head when there are fewer than ranks (QKVParallelLinear's rule).
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.num_query_heads = self.model_config.get_num_attention_heads() // tp_size
-        self.num_kv_heads = max(1, self.model_config.get_num_kv_heads() // tp_size)
+        # This rank's query heads (chapter 13): a tp-th of them. Its KV heads are in each
+        # layer's KV cache spec (a tp-th too, or one when there are fewer than ranks).
+        self.num_query_heads = (
+            self.model_config.get_num_attention_heads() // vllm_config.parallel_config.tensor_parallel_size
+        )
 
         self.model: nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        # Set by initialize_kv_cache: the KV cache groups (which layers share a block table).
+        self.kv_cache_config: KVCacheConfig | None = None
         # The backend every Attention layer of the model also picks (attention/selector.py).
+        # One builder serves every KV cache group: it keeps no per-group state (vLLM has one
+        # per group and backend), and is called once per group each step.
         self.attn_backend = get_attn_backend(self.model_config.attention_backend)
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(device)
         self.cascade_attn_enabled = not self.model_config.disable_cascade_attn
@@ -117,15 +131,8 @@ class GPUModelRunner:
 
         # Every request the runner knows, in the batch or preempted; dropped when finished.
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(
-            max_num_reqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_tokens,
-            device=device,
-            pin_memory=self.pin_memory,
-            vocab_size=self.model_config.get_vocab_size(),
-            block_size=self.block_size,
-        )
+        # One KV cache group until initialize_kv_cache says otherwise.
+        self.input_batch = self._make_input_batch([self.block_size])
 
         # Per-step buffers, allocated once at their largest size and sliced each step.
         def buffer(size: int, dtype: torch.dtype) -> CpuGpuBuffer:
@@ -189,27 +196,67 @@ class GPUModelRunner:
             # The whole forward pass, attention included, as one graph per size.
             self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
 
-    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's cache on this rank: only this rank's KV heads."""
-        return self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, self.model_config.get_head_size()
+    def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
+        """The persistent batch, with one block table per KV cache group of these block sizes."""
+        return InputBatch(
+            max_num_reqs=self.max_num_reqs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens, device=self.device, pin_memory=self.pin_memory,
+            vocab_size=self.model_config.get_vocab_size(), block_sizes=block_sizes,
         )
 
-    def get_kv_cache_page_size(self) -> int:
-        """Bytes that one KV block takes summed over every attention layer (vLLM: page_size_bytes)."""
-        assert self.attn_layers, "load_model() first: the page size counts the model's attention layers"
-        per_layer = math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
-        return per_layer * len(self.attn_layers)
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV cache format: a sliding window if the layer has one, else full attention."""
+        assert self.attn_layers, "load_model() first: the specs are the model's attention layers'"
+        kv_cache_spec: dict[str, KVCacheSpec] = {}
+        for layer_name, layer in self.attn_layers.items():
+            if layer.sliding_window is not None:
+                kv_cache_spec[layer_name] = SlidingWindowSpec(
+                    self.block_size, layer.num_kv_heads, layer.head_size, self.dtype, layer.sliding_window
+                )
+            else:
+                kv_cache_spec[layer_name] = FullAttentionSpec(
+                    self.block_size, layer.num_kv_heads, layer.head_size, self.dtype
+                )
+        return kv_cache_spec
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
-        shape = self._kv_cache_shape(num_blocks)
-        self.kv_caches = []
-        for layer in self.attn_layers.values():
-            # Zeros, not empty: a never-written slot must not hold NaNs that a masked
-            # attention weight of 0 could still turn into NaN (0 * NaN).
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append(layer.kv_cache)
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Take the KV cache groups, allocate the tensors, and bind each layer its view."""
+        self.kv_cache_config = kv_cache_config
+        self.may_reinitialize_input_batch(kv_cache_config)
+        for layer_name, kv_cache in self.initialize_kv_cache_tensors(kv_cache_config).items():
+            self.attn_layers[layer_name].kv_cache = kv_cache
+
+    def may_reinitialize_input_batch(self, kv_cache_config: KVCacheConfig) -> None:
+        """A persistent batch with one block table per group, if there is more than one group."""
+        block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
+        if block_sizes != [self.block_size]:
+            assert not self.requests, "the persistent batch is rebuilt before any request arrives"
+            self.input_batch = self._make_input_batch(block_sizes)
+
+    def initialize_kv_cache_tensors(self, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
+        """One zeroed byte buffer per `KVCacheTensor`, seen by each layer sharing it as
+        `[2, num_blocks, block_size, num_kv_heads, head_size]` of its dtype.
+
+        Zeros, not empty: a never-written slot must not hold NaNs that a masked attention
+        weight of 0 could still turn into NaN (0 * NaN).
+        """
+        raw_tensors: dict[str, torch.Tensor] = {}
+        for kv_cache_tensor in kv_cache_config.kv_cache_tensors:
+            tensor = torch.zeros(kv_cache_tensor.size, dtype=torch.int8, device=self.device)
+            for layer_name in kv_cache_tensor.shared_by:
+                raw_tensors[layer_name] = tensor
+        kv_caches: dict[str, torch.Tensor] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for layer_name in group.layer_names:
+                raw = raw_tensors[layer_name]
+                num_blocks = raw.numel() // spec.page_size_bytes
+                shape = self.attn_backend.get_kv_cache_shape(
+                    num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+                )
+                kv_caches[layer_name] = raw.view(spec.dtype).view(shape)
+        assert kv_caches.keys() == self.attn_layers.keys(), "every attention layer needs a KV cache"
+        return kv_caches
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -276,14 +323,15 @@ class GPUModelRunner:
         for i, req_id in enumerate(cached.req_ids):
             req_state = self.requests[req_id]
             num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
+            new_block_ids = cached.new_block_ids[i]  # per KV cache group, or None: nothing new
             resumed = cached.resumed_from_preemption[i]
             req_state.num_computed_tokens = num_computed_tokens
             if resumed:
                 # Its old blocks were freed at preemption; these are all of its blocks now.
-                req_state.block_ids = list(new_block_ids)
-            else:
-                req_state.block_ids.extend(new_block_ids)
+                req_state.block_ids = tuple(list(ids) for ids in new_block_ids)
+            elif new_block_ids is not None:
+                for block_ids, new_ids in zip(req_state.block_ids, new_block_ids):
+                    block_ids.extend(new_ids)
             req_index = input_batch.req_id_to_index.get(req_id)
             if req_index is None:
                 # Resumed, or skipped last step: it re-enters the batch in full.
@@ -292,7 +340,7 @@ class GPUModelRunner:
             input_batch.num_computed_tokens_cpu[req_index] = num_computed_tokens
             if resumed:
                 input_batch.block_table.add_row(new_block_ids, req_index)
-            else:
+            elif new_block_ids is not None:
                 input_batch.block_table.append_row(new_block_ids, req_index)
 
         # Fill the lowest holes first, then close whatever holes remain.
@@ -316,20 +364,22 @@ class GPUModelRunner:
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[CommonAttentionMetadata, torch.Tensor, np.ndarray]:
+    ) -> tuple[list[CommonAttentionMetadata], torch.Tensor, np.ndarray]:
         """Flat inputs for the step, from the persistent batch, with no loop over tokens.
 
         Fills `self.input_ids` and `self.positions` (first `total_num_scheduled_tokens`
-        entries) and returns the common attention metadata, the index of each request's
-        last scheduled token in the flat batch (where its logits are taken), and the rows
-        whose sample must be discarded (a prefill chunk that stops short of the prompt).
+        entries) and returns the common attention metadata of each KV cache group, the
+        index of each request's last scheduled token in the flat batch (where its logits
+        are taken), and the rows whose sample must be discarded (a prefill chunk that
+        stops short of the prompt).
         """
         input_batch = self.input_batch
         num_reqs = input_batch.num_reqs
         total_num_tokens = scheduler_output.total_num_scheduled_tokens
         assert num_reqs > 0 and total_num_tokens > 0
-        # Start the block table copy first; it overlaps with the numpy work below.
-        block_table_tensor = input_batch.block_table.commit_block_table(num_reqs)
+        # Start the block table copies first; they overlap with the numpy work below.
+        block_tables = input_batch.block_table.block_tables
+        block_table_tensors = [block_table.commit_block_table(num_reqs) for block_table in block_tables]
 
         # E.g. 3 requests scheduled for [2, 5, 3] tokens, with [10, 0, 7] computed before.
         num_scheduled_tokens = np.array(
@@ -367,7 +417,7 @@ class GPUModelRunner:
         self.input_ids.copy_to_gpu(total_num_tokens)
         self.positions.copy_to_gpu(total_num_tokens)
         query_start_loc = self.query_start_loc.copy_to_gpu(num_reqs + 1)
-        common_attn_metadata = CommonAttentionMetadata(
+        shared = dict(
             query_start_loc=query_start_loc,
             query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
             seq_lens=self.seq_lens.copy_to_gpu(num_reqs),
@@ -377,11 +427,43 @@ class GPUModelRunner:
             num_actual_tokens=total_num_tokens,
             max_query_len=int(num_scheduled_tokens.max()),
             max_seq_len=int(seq_lens_np.max()),
-            block_table_tensor=block_table_tensor,
-            slot_mapping=input_batch.block_table.commit_slot_mapping(total_num_tokens),
         )
+        # The groups differ only in where each request's keys live.
+        common_attn_metadata = [
+            CommonAttentionMetadata(
+                **shared,
+                block_table_tensor=block_table_tensor,
+                slot_mapping=block_table.commit_slot_mapping(total_num_tokens),
+            )
+            for block_table, block_table_tensor in zip(block_tables, block_table_tensors)
+        ]
         logits_indices = query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
         return common_attn_metadata, logits_indices, discard_req_indices
+
+    def _build_attention_metadata(
+        self, common_attn_metadata: list[CommonAttentionMetadata], num_common_prefix_blocks: list[int] | None
+    ) -> dict[str, FlashAttentionMetadata]:
+        """Each KV cache group's metadata, under the names of its layers (what the layers look up).
+
+        `num_common_prefix_blocks` is None for a step that must not cascade (a FULL graph).
+        """
+        attn_metadata: dict[str, FlashAttentionMetadata] = {}
+        for kv_cache_group_id, (group, common) in enumerate(
+            zip(self.kv_cache_config.kv_cache_groups, common_attn_metadata)
+        ):
+            common_prefix_len = 0
+            if self.cascade_attn_enabled and num_common_prefix_blocks is not None:
+                common_prefix_len = self._compute_cascade_attn_prefix_len(
+                    np.diff(common.query_start_loc_cpu.numpy()),
+                    num_common_prefix_blocks[kv_cache_group_id],
+                    group.kv_cache_spec,
+                )
+            metadata = self.attn_metadata_builder.build(
+                common_prefix_len=common_prefix_len, common_attn_metadata=common
+            )
+            for layer_name in group.layer_names:
+                attn_metadata[layer_name] = metadata
+        return attn_metadata
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -396,7 +478,8 @@ class GPUModelRunner:
             spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
             logits_indices = spec_decode_metadata.logits_indices
 
-        num_tokens, num_reqs = common_attn_metadata.num_actual_tokens, common_attn_metadata.num_reqs
+        first = common_attn_metadata[0]  # the batch's shape is every group's
+        num_tokens, num_reqs = first.num_actual_tokens, first.num_reqs
         encoder_s, num_encoder_tokens = 0.0, 0
         if self.supports_mm_inputs:
             encoder_start = time.perf_counter()
@@ -406,25 +489,17 @@ class GPUModelRunner:
             self.inputs_embeds[:num_tokens] = self.model.get_input_embeddings(
                 self.input_ids.gpu[:num_tokens], mm_embeds, is_mm_embed
             )
-        uniform_decode = common_attn_metadata.max_query_len == 1 and num_tokens == num_reqs
+        uniform_decode = first.max_query_len == 1 and num_tokens == num_reqs
         cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
             num_tokens, uniform_decode
         )
         num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
-        common_prefix_len = 0
+        num_common_prefix_blocks = scheduler_output.num_common_prefix_blocks
         if cudagraph_runtime_mode == CUDAGraphMode.FULL:
             # The FULL graph captured plain attention, so a graphed step never cascades.
-            common_attn_metadata = self._pad_for_full_graph(
-                num_reqs, num_input_tokens, common_attn_metadata.max_seq_len
-            )
-        elif self.cascade_attn_enabled:
-            common_prefix_len = self._compute_cascade_attn_prefix_len(
-                np.diff(common_attn_metadata.query_start_loc_cpu.numpy()),
-                scheduler_output.num_common_prefix_blocks,
-            )
-        attn_metadata = self.attn_metadata_builder.build(
-            common_prefix_len=common_prefix_len, common_attn_metadata=common_attn_metadata
-        )
+            common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, first.max_seq_len)
+            num_common_prefix_blocks = None
+        attn_metadata = self._build_attention_metadata(common_attn_metadata, num_common_prefix_blocks)
 
         forward_start = time.perf_counter()
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
@@ -584,30 +659,37 @@ class GPUModelRunner:
     # ------------------------------------------------------------------ CUDA graphs (chapter 08)
     def _pad_for_full_graph(
         self, num_reqs: int, num_padded: int, max_seq_len: int
-    ) -> CommonAttentionMetadata:
-        """Attention metadata of `num_reqs` decodes padded with empty requests to `num_padded`.
+    ) -> list[CommonAttentionMetadata]:
+        """Each group's attention metadata of `num_reqs` decodes padded with empty requests to `num_padded`.
 
         A FULL graph reads the metadata from the addresses it was captured with, so every
         tensor here is the head of a persistent buffer, refilled each step. The padding
-        requests have no query and no context; their padding rows cache into the null block.
+        requests have no query and no context; their padding rows cache into the null block
+        (of every group: a block id names a page in every tensor, and no group owns block 0).
         """
         self.query_start_loc.np[num_reqs + 1 : num_padded + 1] = num_reqs
         self.seq_lens.np[num_reqs:num_padded] = 0
-        block_table = self.input_batch.block_table
-        block_table.slot_mapping.np[num_reqs:num_padded] = NULL_BLOCK_SLOT
-        return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.copy_to_gpu(num_padded + 1),
-            query_start_loc_cpu=self.query_start_loc.cpu[: num_padded + 1],
-            seq_lens=self.seq_lens.copy_to_gpu(num_padded),
-            seq_lens_cpu=self.seq_lens.cpu[:num_padded],
-            num_computed_tokens_cpu=self.input_batch.num_computed_tokens_cpu_tensor[:num_padded],
-            num_reqs=num_padded,
-            num_actual_tokens=num_padded,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            block_table_tensor=block_table.commit_block_table(num_padded),
-            slot_mapping=block_table.commit_slot_mapping(num_padded),
-        )
+        query_start_loc = self.query_start_loc.copy_to_gpu(num_padded + 1)
+        seq_lens = self.seq_lens.copy_to_gpu(num_padded)
+        common_attn_metadata = []
+        for block_table in self.input_batch.block_table.block_tables:
+            block_table.slot_mapping.np[num_reqs:num_padded] = NULL_BLOCK_SLOT
+            common_attn_metadata.append(
+                CommonAttentionMetadata(
+                    query_start_loc=query_start_loc,
+                    query_start_loc_cpu=self.query_start_loc.cpu[: num_padded + 1],
+                    seq_lens=seq_lens,
+                    seq_lens_cpu=self.seq_lens.cpu[:num_padded],
+                    num_computed_tokens_cpu=self.input_batch.num_computed_tokens_cpu_tensor[:num_padded],
+                    num_reqs=num_padded,
+                    num_actual_tokens=num_padded,
+                    max_query_len=1,
+                    max_seq_len=max_seq_len,
+                    block_table_tensor=block_table.commit_block_table(num_padded),
+                    slot_mapping=block_table.commit_slot_mapping(num_padded),
+                )
+            )
+        return common_attn_metadata
 
     def _dummy_run(
         self, num_tokens: int, cudagraph_runtime_mode: CUDAGraphMode, uniform_decode: bool = False
@@ -621,7 +703,7 @@ class GPUModelRunner:
         """
         attn_metadata = None
         if uniform_decode:
-            attn_metadata = self.attn_metadata_builder.build(0, self._pad_for_full_graph(0, num_tokens, 1))
+            attn_metadata = self._build_attention_metadata(self._pad_for_full_graph(0, num_tokens, 1), None)
         batch_descriptor = BatchDescriptor(num_tokens, uniform_decode)
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
             return self.model(*self._model_inputs(num_tokens))
@@ -659,9 +741,9 @@ class GPUModelRunner:
         )
 
     def _compute_cascade_attn_prefix_len(
-        self, num_scheduled_tokens: np.ndarray, num_common_prefix_blocks: int
+        self, num_scheduled_tokens: np.ndarray, num_common_prefix_blocks: int, kv_cache_spec: KVCacheSpec
     ) -> int:
-        """Tokens of shared prefix that cascade attention handles this step; 0 for no cascade.
+        """Tokens of shared prefix that cascade attention handles this step in one KV cache group; 0 for none.
 
         Not simply the shared blocks: the prefix pass attends without a mask, so no query
         may sit inside the prefix. If all requests share [A B C D E] and one has computed
@@ -670,6 +752,10 @@ class GPUModelRunner:
         which would still be correct: this way every request keeps at least one suffix key
         and the suffix pass is never empty), then rounded down to whole blocks, since the
         prefix pass reads whole blocks of the block table's first row.
+
+        The rule refuses windowed layers: a sliding-window group, or full attention that
+        remembers a window (the hybrid allocator off); its prefix pass would see keys
+        outside the window.
         """
         common_prefix_len = num_common_prefix_blocks * self.block_size
         if common_prefix_len == 0:
@@ -679,13 +765,16 @@ class GPUModelRunner:
             common_prefix_len, int(self.input_batch.num_computed_tokens_cpu[:num_reqs].min())
         )
         common_prefix_len = common_prefix_len // self.block_size * self.block_size
+        use_sliding_window = isinstance(kv_cache_spec, SlidingWindowSpec) or (
+            isinstance(kv_cache_spec, FullAttentionSpec) and kv_cache_spec.sliding_window is not None
+        )
         use_cascade = self.attn_metadata_builder.use_cascade_attention(
             common_prefix_len=common_prefix_len,
             query_lens=num_scheduled_tokens,
             num_query_heads=self.num_query_heads,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=kv_cache_spec.num_kv_heads,
             use_alibi=False,  # nano_v1's models have none of these variants
-            use_sliding_window=False,
+            use_sliding_window=use_sliding_window,
             use_local_attention=False,
             num_sms=self.num_sms,
         )

@@ -24,6 +24,7 @@ from nano_v1.distributed.parallel_state import (
     ensure_model_parallel_initialized,
     init_distributed_environment,
 )
+from nano_v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput, StepTiming
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -33,8 +34,8 @@ GiB = 1 << 30
 
 
 class Worker:
-    """Call order: init_device, load_model, get_kv_cache_page_size / determine_available_memory,
-    initialize_kv_cache, compile_or_warm_up_model, then execute_model once per step."""
+    """Call order: init_device, load_model, get_kv_cache_spec / determine_available_memory,
+    initialize_from_config, compile_or_warm_up_model, then execute_model once per step."""
 
     def __init__(
         self,
@@ -80,9 +81,9 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    def get_kv_cache_page_size(self) -> int:
-        """Bytes of one KV cache block, summed over all attention layers."""
-        return self.model_runner.get_kv_cache_page_size()
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV cache format (chapter 12)."""
+        return self.model_runner.get_kv_cache_spec()
 
     def determine_available_memory(self) -> int:
         """Bytes the KV cache may take.
@@ -120,8 +121,9 @@ class Worker:
             )
         return available
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV cache this worker's share of the config describes."""
+        self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs, once the KV cache exists (chapter 08)."""

@@ -460,11 +460,6 @@ def make_request(spec: dict, block_hasher) -> Request:
     )
 
 
-def first_group(value):
-    """One KV cache group's value out of vLLM's per-group one; None ("no new blocks") is []."""
-    return [] if value is None else value[0]
-
-
 def record(name: str, model_dir: str) -> dict:
     workload = WORKLOADS[name]
     config = dict(DEFAULT_CONFIG, **workload.config)
@@ -505,7 +500,7 @@ def record(name: str, model_dir: str) -> dict:
             "step": step,
             "arrivals": arrivals,
             "aborts": list(aborts.get(step, [])),
-            **schedule_fields(scheduler, so, was_running, first_group),
+            **schedule_fields(scheduler, so, was_running),
         }
         sampled = model.execute(so)
         entry["model_output"] = {rid: list(t) for rid, t in sampled.items()}
@@ -524,7 +519,7 @@ def record(name: str, model_dir: str) -> dict:
             drafts = model.propose(step, sampled)
             entry["draft_token_ids"] = drafts
             scheduler.update_draft_token_ids(DraftTokenIds(list(drafts), [list(d) for d in drafts.values()]))
-        entry["after"] = state_fields(scheduler, first_group)
+        entry["after"] = state_fields(scheduler)
         steps.append(entry)
         step += 1
 

@@ -5,16 +5,21 @@ environment) and tests/test_vllm_traces.py reads them from nano_v1 (in CI, witho
 One definition for both sides means a field cannot mean one thing when recorded and
 another when replayed. It imports neither engine: both schedulers expose the same names.
 
-The two differ in one representation only. vLLM keeps a value per KV cache group: block
-ids as a tuple of lists (None for "no new blocks"), `num_common_prefix_blocks` as a list
-of counts. nano_v1 has one group and keeps the plain list or count. Each function takes
-`group`, which turns a per-group value into the single group's (the identity for nano_v1).
+Both keep a value per KV cache group (nano_v1 since chapter 12): block ids as a tuple of
+lists (None for "no new blocks"), `num_common_prefix_blocks` as a list of counts. The
+recorded workloads run a model of one full-attention group, so a trace stores that
+group's value (`first_group`).
 """
 
 from __future__ import annotations
 
 
-def schedule_fields(scheduler, so, was_running: list[str], group) -> dict:
+def first_group(value):
+    """One KV cache group's value out of a per-group one; None ("no new blocks") is []."""
+    return [] if value is None else value[0]
+
+
+def schedule_fields(scheduler, so, was_running: list[str]) -> dict:
     """What `schedule()` decided: its SchedulerOutput, and who it preempted (from `was_running`)."""
     cached = so.scheduled_cached_reqs
     pairs = list(zip(cached.req_ids, cached.resumed_from_preemption))
@@ -31,15 +36,15 @@ def schedule_fields(scheduler, so, was_running: list[str], group) -> dict:
         "spec_decode_tokens": {rid: list(t) for rid, t in so.scheduled_spec_decode_tokens.items()},
         # New requests: their whole block list; the others: the blocks added this step.
         "block_ids": {
-            **{r.req_id: list(group(r.block_ids)) for r in so.scheduled_new_reqs},
-            **{rid: list(group(ids)) for rid, ids in zip(cached.req_ids, cached.new_block_ids)},
+            **{r.req_id: list(first_group(r.block_ids)) for r in so.scheduled_new_reqs},
+            **{rid: list(first_group(ids)) for rid, ids in zip(cached.req_ids, cached.new_block_ids)},
         },
         # For a new or resumed request, this is its prefix-cache hit.
         "scheduled_num_computed_tokens": {
             **{r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs},
             **dict(zip(cached.req_ids, cached.num_computed_tokens)),
         },
-        "num_common_prefix_blocks": group(so.num_common_prefix_blocks),
+        "num_common_prefix_blocks": first_group(so.num_common_prefix_blocks),
     }
 
 
@@ -55,11 +60,11 @@ def output_fields(engine_core_outputs) -> dict:
     }
 
 
-def state_fields(scheduler, group) -> dict:
+def state_fields(scheduler) -> dict:
     """The state a step leaves: queues, progress, drafts, block tables and the free queue's order."""
     manager = scheduler.kv_cache_manager
     live = [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
-    tables = {rid: list(group(manager.get_block_ids(rid))) for rid in live}
+    tables = {rid: list(first_group(manager.get_block_ids(rid))) for rid in live}
     return {
         "running": [r.request_id for r in scheduler.running],
         "waiting": [r.request_id for r in scheduler.waiting],

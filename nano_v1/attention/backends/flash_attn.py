@@ -1,6 +1,6 @@
 """The FLASH_ATTN backend: KV cache layout, per-step metadata, cascade attention, the attention call.
 
-Mirrors vllm/v1/attention/backends/flash_attn.py (chapters 01, 06 and 07).
+Mirrors vllm/v1/attention/backends/flash_attn.py (chapters 01, 06, 07 and 12).
 
 Why it exists: vLLM separates *what* the model asks for (an `Attention` layer with heads
 and a scale) from *how* a backend computes it over a paged cache. A backend is three
@@ -192,13 +192,22 @@ def _unified_attention(
 class FlashAttentionImpl:
     """The per-layer attention computation: cache the new K/V, then attend through the cache."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        # The kernels' `window_size` (vLLM's form): (w - 1 keys before the query, none after).
+        self.sliding_window = None if sliding_window is None else (sliding_window - 1, 0)
         self.ops = self.get_attention_ops()
 
     @staticmethod
@@ -218,7 +227,7 @@ class FlashAttentionImpl:
     ) -> torch.Tensor:
         if attn_metadata is None:
             # A profiling or warm-up run: no cache exists yet, so attend within the batch,
-            # taken as one causal sequence. Only the cost matters, not the values.
+            # taken as one causal sequence (windowless). Only the cost matters, not the values.
             return self._forward_without_cache(query, key, value, output)
         key_cache, value_cache = kv_cache.unbind(0)
         ops = self.ops
@@ -239,8 +248,11 @@ class FlashAttentionImpl:
                 softmax_scale=self.scale,
                 causal=attn_metadata.causal,
                 block_table=attn_metadata.block_table,
+                window_size=self.sliding_window,
             )
             return output
+        # The runner never cascades a windowed group (use_cascade_attention refuses it).
+        assert self.sliding_window is None, "cascade attention has no sliding window"
         cascade_attention(
             output[:n],
             query[:n],

@@ -2,7 +2,7 @@
 
 Mirrors vllm/_custom_ops.py::reshape_and_cache_flash,
 vllm/attention/ops/merge_attn_states.py::merge_attn_states and
-vllm/attention/ops/triton_unified_attention.py::unified_attention (chapters 01 and 06).
+vllm/attention/ops/triton_unified_attention.py::unified_attention (chapters 01, 06 and 12).
 
 Why it exists: the KV cache is a pool of fixed-size blocks, and one step's batch is ragged:
 full prefills, chunks of long prompts and single-token decodes side by side, with no batch
@@ -100,10 +100,11 @@ def _gather_context(
 ) -> torch.Tensor:
     """Copy `length` context tokens out of the pages listed in `block_ids`, as float32.
 
-    When rows are padded to a common length, positions past a row's own context may hold
-    anything (stale values of a freed block, or NaN if never written). `padding_rows`
-    indexes them in the flat copy `[num_rows * num_pages * block_size]`; they are zeroed
-    (written, never read: cheap), and the caller masks them out of the softmax too.
+    Positions a row's query must not see may hold anything: past its own context when rows
+    are padded to a common length (stale values of a freed block, or NaN if never
+    written), or before its sliding window (a freed block). `padding_rows` indexes them in
+    the flat copy `[num_rows * num_pages * block_size]`; they are zeroed (written, never
+    read: cheap), and the caller masks them out of the softmax too.
     """
     pages = cache.index_select(0, block_ids.flatten().long())  # [n, block_size, num_kv_heads, head_size]
     if padding_rows is not None:
@@ -159,6 +160,38 @@ def _sdpa(
     return o.view(*batch, num_kv_heads, group, num_q, head_size)
 
 
+def _hidden_keys(
+    key_pos: torch.Tensor, q_pos: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor | None:
+    """True where the query at `q_pos` must not see the key at `key_pos` (the two broadcast);
+    None when every query sees every key.
+
+    Causal: no key after the query. A window of w: no key more than w - 1 before it (the
+    query sees w keys, its own included: vLLM's `window_size = (w - 1, 0)`).
+    """
+    hidden = key_pos > q_pos if causal else None
+    if window is not None:
+        outside = key_pos <= q_pos - window
+        hidden = outside if hidden is None else hidden | outside
+    return hidden
+
+
+def _decode_pages(
+    seq_lens_cpu: torch.Tensor, max_seq_len: int, block_size: int, window: int | None
+) -> tuple[torch.Tensor, int]:
+    """(first page each decode reads [num_decodes] int64, pages per decode), on the host.
+
+    Without a window, every page from the first. With one, the w keys ending at the query
+    start in page (seq_len - w) // block_size and span at most ceil((w - 1) / block_size) + 1
+    pages; older pages are never read (a sliding-window manager has freed them).
+    """
+    num_pages = -(-max_seq_len // block_size)
+    if window is None:
+        return torch.zeros_like(seq_lens_cpu), num_pages
+    first_pages = (seq_lens_cpu - window).clamp(min=0) // block_size
+    return first_pages, min(num_pages, -(-(window - 1) // block_size) + 1)
+
+
 def unified_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_size]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -172,6 +205,7 @@ def unified_attention(
     causal: bool,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req] int32
     *,
+    window_size: tuple[int, int] | None = None,
     return_lse: bool = False,
     split: BatchSplit | None = None,
 ) -> torch.Tensor | None:
@@ -182,65 +216,105 @@ def unified_attention(
     `seqused_k[r] - query_len + i` and sees keys 0..that position. A decode (query_len 1)
     sees its whole context either way.
 
+    `window_size = (w - 1, 0)` (vLLM's convention; None: no window) limits each query to
+    its last w keys, itself included. Keys older than the window of a request's first
+    query are never read, and may hold anything: their blocks may be another request's by now.
+
     `split` is the host-side plan from `plan_batch_split`; without it one is made here
     (a device sync on a GPU). With `return_lse`, returns the log-sum-exp of the scaled
     scores, `[num_heads, num_tokens]` float32, which cascade attention needs to merge two
     partial attentions; rows of requests with no query are left unwritten.
     """
-    num_heads, head_size = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    block_size = k_cache.shape[1]
+    window = None
+    if window_size is not None:
+        assert window_size[1] == 0, "a window reaches back only: the right edge is the query itself"
+        window = window_size[0] + 1
     if split is None:
         split = plan_batch_split(cu_seqlens_q.cpu(), seqused_k.cpu(), q.device)
+    num_heads = q.shape[1]
     lse = torch.empty(num_heads, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
-
-    # Decodes, all at once: gather every decode's pages, padded to the longest decode context.
-    num_decodes = split.decode_req_ids.shape[0]
-    if num_decodes:
-        length = split.max_decode_seq_len
-        num_pages = -(-length // block_size)
-        block_ids = block_table[split.decode_req_ids, :num_pages]  # [num_decodes, num_pages]
-        # Rows are padded to the longest context: the padding is zeroed and masked out.
-        # Which rows of the gathered copy are padding is worked out on the host (no sync).
-        padded = torch.arange(num_pages * block_size) >= split.decode_seq_lens_cpu[:, None]
-        padding_rows = padded.flatten().nonzero().squeeze(1).to(q.device, non_blocking=True)
-        seq_lens = seqused_k[split.decode_req_ids]
-        padding = torch.arange(length, device=q.device) >= seq_lens[:, None]  # [num_decodes, length]
-        k = _gather_context(k_cache, block_ids, length, padding_rows).transpose(1, 2)  # [num_decodes, Hkv, length, D]
-        v = _gather_context(v_cache, block_ids, length, padding_rows).transpose(1, 2)
-        q_dec = q[split.decode_token_ids].float()  # [num_decodes, num_heads, head_size]
-        q_dec = q_dec.view(num_decodes, num_kv_heads, group, 1, head_size)
-        if lse is None:
-            o = _sdpa(q_dec, k, v, padding.view(num_decodes, 1, 1, length), softmax_scale)
-        else:
-            o, l = _attend(q_dec, k, v, padding.view(num_decodes, 1, 1, 1, length), softmax_scale)
-            lse[:, split.decode_token_ids] = l.view(num_decodes, num_heads).T
-        out[split.decode_token_ids] = o.view(num_decodes, num_heads, head_size).to(out.dtype)
-
-    # Requests with several queries (prefills and prefill chunks), one at a time.
-    # BEGIN TASK ch01_t2: attend each multi-query request over its paged context, query i at its own position
+    if split.decode_req_ids.shape[0]:
+        _attend_decodes(q, k_cache, v_cache, out, lse, softmax_scale, block_table, window, split)
     for req, start, end, seq_len in split.prefills:
-        query_len = end - start
-        num_pages = -(-seq_len // block_size)
-        k = _gather_context(k_cache, block_table[req, :num_pages], seq_len).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_context(v_cache, block_table[req, :num_pages], seq_len).transpose(0, 1)
-        q_req = q[start:end].float().view(query_len, num_kv_heads, group, head_size)
-        q_req = q_req.permute(1, 2, 0, 3)  # [num_kv_heads, group, query_len, head_size]
-        masked = None
-        if causal:
-            # Query i sits at position seq_len - query_len + i and sees keys up to it.
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            masked = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # [query_len, L]
-        if lse is None:
-            o = _sdpa(q_req, k, v, masked, softmax_scale)
-        else:
-            no_mask = torch.zeros(1, 1, dtype=torch.bool, device=q.device)
-            o, l = _attend(q_req, k, v, no_mask if masked is None else masked, softmax_scale)
-            lse[:, start:end] = l.reshape(num_heads, query_len)
-        out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
-    # END TASK
+        _attend_prefill(
+            q, k_cache, v_cache, out, lse, softmax_scale, causal, block_table[req], window, start, end, seq_len
+        )
     return lse
+
+
+def _attend_decodes(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+    softmax_scale: float, block_table: torch.Tensor, window: int | None, split: BatchSplit,
+) -> None:
+    """Every decode at once: gather each one's pages, padded to the longest, and attend.
+
+    Tensors as in `unified_attention` (`lse` None unless it is returned).
+
+    The gathered positions a decode must not see (past its context, or before its window)
+    are zeroed and masked out; which they are is worked out on the host (no sync).
+    """
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_decodes = split.decode_req_ids.shape[0]
+    seq_lens_cpu = split.decode_seq_lens_cpu
+    first_pages, num_pages = _decode_pages(seq_lens_cpu, split.max_decode_seq_len, block_size, window)
+    # Pages past a short decode's last one are clamped into the table; they are all hidden.
+    page_ids = (first_pages[:, None] + torch.arange(num_pages)).clamp(max=block_table.shape[1] - 1)
+    key_pos = first_pages[:, None] * block_size + torch.arange(num_pages * block_size)  # [num_decodes, P*B]
+    hidden_cpu = _hidden_keys(key_pos, seq_lens_cpu[:, None] - 1, True, window)  # [num_decodes, P*B]
+    padding_rows = hidden_cpu.flatten().nonzero().squeeze(1).to(q.device, non_blocking=True)
+    length = split.max_decode_seq_len if window is None else num_pages * block_size
+    hidden = hidden_cpu[:, :length].to(q.device, non_blocking=True)  # [num_decodes, length]
+    block_ids = block_table[split.decode_req_ids[:, None], page_ids.to(q.device, non_blocking=True)]
+    k = _gather_context(k_cache, block_ids, length, padding_rows).transpose(1, 2)  # [num_decodes, Hkv, length, D]
+    v = _gather_context(v_cache, block_ids, length, padding_rows).transpose(1, 2)
+    q_dec = q[split.decode_token_ids].float()  # [num_decodes, num_heads, head_size]
+    q_dec = q_dec.view(num_decodes, num_kv_heads, group, 1, head_size)
+    if lse is None:
+        o = _sdpa(q_dec, k, v, hidden.view(num_decodes, 1, 1, length), softmax_scale)
+    else:
+        o, l = _attend(q_dec, k, v, hidden.view(num_decodes, 1, 1, 1, length), softmax_scale)
+        lse[:, split.decode_token_ids] = l.view(num_decodes, num_heads).T
+    out[split.decode_token_ids] = o.view(num_decodes, num_heads, head_size).to(out.dtype)
+
+
+def _attend_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+    softmax_scale: float, causal: bool, block_row: torch.Tensor, window: int | None,
+    start: int, end: int, seq_len: int,
+) -> None:
+    """One request with several queries (a prefill or a chunk of one): query rows start..end.
+
+    Tensors as in `unified_attention`; `block_row` is this request's row of the block table.
+    Its keys are gathered from the page of the first query's oldest visible key; rows of
+    that page before the key are zeroed (they may be stale) and hidden like the rest.
+    """
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    query_len = end - start
+    first_key = 0 if window is None else max(0, seq_len - query_len - window + 1)
+    first_page = first_key // block_size
+    key_start = first_page * block_size  # position of the first gathered key
+    stale_rows = torch.arange(first_key - key_start, device=q.device) if first_key > key_start else None
+    pages = block_row[first_page : -(-seq_len // block_size)]
+    k = _gather_context(k_cache, pages, seq_len - key_start, stale_rows).transpose(0, 1)  # [Hkv, L, D]
+    v = _gather_context(v_cache, pages, seq_len - key_start, stale_rows).transpose(0, 1)
+    # BEGIN TASK ch01_t2: attend the request's queries over its gathered keys, query i at its own position
+    q_req = q[start:end].float().view(query_len, num_kv_heads, num_heads // num_kv_heads, head_size)
+    q_req = q_req.permute(1, 2, 0, 3)  # [num_kv_heads, group, query_len, head_size]
+    # Query i sits at position seq_len - query_len + i.
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    key_pos = torch.arange(key_start, seq_len, device=q.device)
+    masked = _hidden_keys(key_pos[None, :], q_pos[:, None], causal, window)  # [query_len, L] or None
+    if lse is None:
+        o = _sdpa(q_req, k, v, masked, softmax_scale)
+    else:
+        no_mask = torch.zeros(1, 1, dtype=torch.bool, device=q.device)
+        o, l = _attend(q_req, k, v, no_mask if masked is None else masked, softmax_scale)
+        lse[:, start:end] = l.reshape(num_heads, query_len)
+    out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
+    # END TASK
 
 
 def merge_attn_states(

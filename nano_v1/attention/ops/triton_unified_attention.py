@@ -1,6 +1,6 @@
 """Paged attention of a ragged batch (prefills, prefill chunks and decodes together) in one Triton kernel.
 
-Mirrors vllm/attention/ops/triton_unified_attention.py (chapter 06).
+Mirrors vllm/attention/ops/triton_unified_attention.py (chapters 06 and 12).
 
 Why it exists: the reference (`nano_v1/attention/ops/reference.py::unified_attention`)
 gathers each request's pages into a contiguous copy, then attends: every byte of context
@@ -16,6 +16,11 @@ Work split: one program per (block of query rows of one request, KV head). The q
 heads that share a KV head (GQA) are packed into the rows of the same program, so the
 program loads each K/V tile once for all of them. `BLOCK_M` rows = `BLOCK_Q` query
 positions x `group` heads; `tl.dot` wants at least 16 rows, hence `BLOCK_M >= 16`.
+
+Sliding window (chapter 12): a query at position p sees keys p - w + 1 .. p. A program
+starts its loop at the tile of its first row's oldest visible key, so a window costs
+O(w) per query however long the context, and never loads a key older than that: those
+blocks may already belong to another request.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query positions per program
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q positions x GROUP heads
     CAUSAL: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # keys a query sees, its own included; 0: no window (vLLM's encoding)
     RETURN_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # q's dtype, except bfloat16 in the interpreter (`_dot_dtype`)
     DOT_PRECISION: tl.constexpr,
@@ -113,6 +119,10 @@ def _unified_attention_kernel(
         num_keys = context_len + last_pos + 1
     else:
         num_keys = seq_len
+    # The oldest key any row of this program sees: its first query's window start.
+    first_key = 0
+    if SLIDING_WINDOW > 0:
+        first_key = tl.maximum(context_len + local_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
 
     # Online softmax: running max M, running sum L of exp(score - M), and the output
     # accumulated unnormalised, all in float32; each tile rescales them by exp(M_old - M_new).
@@ -121,9 +131,9 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     bt_row = block_table_ptr + seq_idx * stride_bt
 
-    for tile_start in range(0, num_keys, TILE_SIZE):
+    for tile_start in range(first_key // TILE_SIZE * TILE_SIZE, num_keys, TILE_SIZE):
         key_pos = tile_start + offs_t  # [TILE_SIZE]
-        key_mask = key_pos < num_keys
+        key_mask = (key_pos >= first_key) & (key_pos < num_keys)
         block_id = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         in_block = key_pos % BLOCK_SIZE
         k_offs = (block_id[None, :] * stride_k_blk + in_block[None, :] * stride_k_pos
@@ -139,6 +149,8 @@ def _unified_attention_kernel(
         visible = row_mask[:, None] & key_mask[None, :]
         if CAUSAL:
             visible = visible & (key_pos[None, :] <= context_len + query_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (context_len + query_pos[:, None] - key_pos[None, :] < SLIDING_WINDOW)
         S = tl.where(visible, S, float("-inf"))
 
         # BEGIN TASK ch06_t2: fold the tile into the running max, sum and output, rescaling what came before
@@ -186,9 +198,12 @@ def unified_attention(
     causal: bool,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req] int32
     *,
+    window_size: tuple[int, int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | None:
     """Attention of a ragged batch over a paged KV cache; the reference's contract, in one launch.
+
+    `window_size = (w - 1, 0)`: each query sees its last w keys (None: no window).
 
     Rows of `q` past `cu_seqlens_q[-1]` (CUDA-graph padding) are neither read nor written.
     With `return_lse`, returns the log-sum-exp of the scaled scores, `[num_heads,
@@ -204,6 +219,7 @@ def unified_attention(
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     # Rows may be views (cascade slices columns off the front); within a row, pages are contiguous.
     assert block_table.stride(1) == 1
+    assert window_size is None or window_size[1] == 0, "a window reaches back only"
     group = num_heads // num_kv_heads
     num_seqs = cu_seqlens_q.shape[0] - 1
     block_m = max(16, triton.next_power_of_2(group))
@@ -229,6 +245,7 @@ def unified_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         CAUSAL=causal,
+        SLIDING_WINDOW=0 if window_size is None else window_size[0] + 1,
         RETURN_LSE=return_lse,
         DOT_DTYPE=_dot_dtype(q),
         # float32 tiles would be rounded to TF32 on tensor cores by default: ask for full precision.

@@ -32,13 +32,13 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group (chapter 12)
     num_computed_tokens: int
     # The prompt's images (chapter 11); vLLM lists this field after prompt_token_ids.
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
     @classmethod
-    def from_request(cls, request: "Request", block_ids: list[int]) -> "NewRequestData":
+    def from_request(cls, request: "Request", block_ids: tuple[list[int], ...]) -> "NewRequestData":
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -53,14 +53,15 @@ class NewRequestData:
 class CachedRequestData:
     """Columns for requests the runner already holds (one entry per request).
 
-    `new_block_ids[i]` are blocks appended since the last step, or, when
-    `resumed_from_preemption[i]`, the request's whole new block list (the old one was
+    `new_block_ids[i]` are blocks appended since the last step, one list per KV cache
+    group, None if there are none (most decode steps); or, when
+    `resumed_from_preemption[i]`, the request's whole new block lists (the old ones were
     freed when it was preempted).
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property
@@ -79,8 +80,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # {request_id: draft token ids to verify this step} (chapter 10).
     scheduled_spec_decode_tokens: dict[str, list[int]]
-    # Number of leading KV blocks shared by every running request (chapter 07).
-    num_common_prefix_blocks: int
+    # Per KV cache group, leading blocks shared by every running request (chapter 07).
+    num_common_prefix_blocks: list[int]
     # Requests finished since the last step: the runner drops their state.
     finished_req_ids: set[str]
     # {request_id: indices into its mm_features} of the images to encode this step (chapter 11).

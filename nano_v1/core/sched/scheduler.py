@@ -32,11 +32,12 @@ from collections.abc import Iterable
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
-from nano_v1.core.kv_cache_manager import KVCacheManager
+from nano_v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.request_queue import create_request_queue
 from nano_v1.core.sched.utils import check_stop
 from nano_v1.engine import EngineCoreOutput, EngineCoreOutputs
+from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.metrics.stats import SchedulerStats
 from nano_v1.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -45,10 +46,15 @@ from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
-    def __init__(self, vllm_config: VllmConfig, mm_registry: MultiModalRegistry = MULTIMODAL_REGISTRY) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        mm_registry: MultiModalRegistry = MULTIMODAL_REGISTRY,
+    ) -> None:
         scheduler_config = vllm_config.scheduler_config
         cache_config = vllm_config.cache_config
-        assert cache_config.num_gpu_blocks is not None, "size the KV cache before building the scheduler"
+        self.kv_cache_config = kv_cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -68,8 +74,7 @@ class Scheduler:
         self.num_lookahead_tokens = 0
 
         self.kv_cache_manager = KVCacheManager(
-            block_size=cache_config.block_size,
-            num_gpu_blocks=cache_config.num_gpu_blocks,
+            kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
         )
@@ -135,7 +140,7 @@ class Scheduler:
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, list[int]] = {}
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         token_budget = self.max_num_scheduled_tokens
@@ -185,7 +190,7 @@ class Scheduler:
                 break
 
             scheduled_running_reqs.append(request)
-            req_to_new_blocks[request.request_id] = [b.block_id for b in new_blocks] if new_blocks else []
+            req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
@@ -246,7 +251,7 @@ class Scheduler:
                     scheduled_resumed_reqs.append(request)
                 else:
                     scheduled_new_reqs.append(request)
-                req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
+                req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(request.request_id)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
@@ -269,7 +274,7 @@ class Scheduler:
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
 
-        num_common_prefix_blocks = 0
+        num_common_prefix_blocks = [0] * len(self.kv_cache_config.kv_cache_groups)
         if self.running:
             num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
                 self.running[0], len(self.running)
@@ -277,7 +282,8 @@ class Scheduler:
 
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData.from_request(req, req_to_new_blocks[req.request_id]) for req in scheduled_new_reqs
+                NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
+                for req in scheduled_new_reqs
             ],
             scheduled_cached_reqs=self._make_cached_request_data(
                 scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks
@@ -408,14 +414,14 @@ class Scheduler:
 
     @staticmethod
     def _make_cached_request_data(
-        running_reqs: list[Request], resumed_reqs: list[Request], req_to_new_blocks: dict[str, list[int]]
+        running_reqs: list[Request], resumed_reqs: list[Request], req_to_new_blocks: dict[str, KVCacheBlocks]
     ) -> CachedRequestData:
         reqs = running_reqs + resumed_reqs
         req_ids = [req.request_id for req in reqs]
         return CachedRequestData(
             req_ids=req_ids,
             resumed_from_preemption=[False] * len(running_reqs) + [True] * len(resumed_reqs),
-            new_block_ids=[req_to_new_blocks[req_id] for req_id in req_ids],
+            new_block_ids=[req_to_new_blocks[req_id].get_block_ids(allow_none=True) for req_id in req_ids],
             num_computed_tokens=[req.num_computed_tokens for req in reqs],
         )
 

@@ -1,9 +1,10 @@
 """The gated activation of the MLP, and the plain activations of vision towers.
 
-Mirrors vllm/model_executor/layers/activation.py (chapters 01 and 11).
+Mirrors vllm/model_executor/layers/activation.py (chapters 01, 11 and 12).
 
 Why it exists: with `gate_proj` and `up_proj` fused into one matmul, the MLP's activation
-receives both halves in one tensor; `SiluAndMul` splits it and computes `silu(gate) * up`.
+receives both halves in one tensor; `SiluAndMul` splits it and computes `silu(gate) * up`
+(Llama, Qwen), `GeluAndMul` computes `gelu(gate) * up` (Gemma 3, with tanh's approximation).
 CLIP's vision tower and LLaVA's projector use ungated activations, picked by the name in
 their config (`get_act_fn`).
 """
@@ -21,6 +22,21 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """`[..., 2 * d] -> [..., d]`: gelu of the first half (exact, or `approximate="tanh"`) times the second."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
 
 
 class QuickGELU(nn.Module):

@@ -1,6 +1,6 @@
-"""RMSNorm, fused with the residual add as vLLM does.
+"""RMSNorm, fused with the residual add as vLLM does, and Gemma's variant of it.
 
-Mirrors vllm/model_executor/layers/layernorm.py (chapter 01).
+Mirrors vllm/model_executor/layers/layernorm.py (chapters 01 and 12).
 
 Why it exists: every decoder layer adds its sublayer's output to the residual stream and
 normalises the sum for the next sublayer. vLLM fuses the two (`forward(x, residual)` returns
@@ -33,11 +33,30 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        orig_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(dim=-1, keepdim=True)
-        x = (x32 * torch.rsqrt(variance + self.variance_epsilon)).to(orig_dtype) * self.weight
+        x = self._apply_weight(x32 * torch.rsqrt(variance + self.variance_epsilon), x.dtype)
         return x if residual is None else (x, residual)
+
+    def _apply_weight(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Llama's order: round the float32 normalised `x` to the model dtype, then scale."""
+        return normed.to(dtype) * self.weight
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: `x / rms(x) * (1 + weight)`, scaled in float32 before the cast back.
+
+    The weight is stored as an offset from 1 (zeros mean identity), and unlike Llama's norm
+    the product is taken in float32 and only then rounded to the model dtype (Hugging Face's
+    Gemma does the same, which greedy parity in low precision needs).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
+
+    def _apply_weight(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed * (1.0 + self.weight.float())).to(dtype)

@@ -8,6 +8,7 @@ _MODELS = {
     "Qwen3ForCausalLM": "nano_v1.model_executor.models.qwen3:Qwen3ForCausalLM",
     "Qwen2ForCausalLM": "nano_v1.model_executor.models.qwen2:Qwen2ForCausalLM",
     "LlamaForCausalLM": "nano_v1.model_executor.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "nano_v1.model_executor.models.gemma3:Gemma3ForCausalLM",
     "LlavaForConditionalGeneration": "nano_v1.model_executor.models.llava:LlavaForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = frozenset(_MODELS)
