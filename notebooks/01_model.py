@@ -212,9 +212,11 @@ axes[1].set(
     yscale="log",
     xlabel="requests in the workload",
     ylabel="fraction of the ceiling",
-    title="how close to what the device allows",
+    title="nano_v1 gets closest to what the device allows",
 )
 nb.tick_at(axes, NUM_PROMPTS)
+for ax in axes:
+    nb.log_ticks(ax)
 nb.finish_figure(fig, f"offline throughput, {model_name}, {DTYPE}")
 plt.show()
 

@@ -132,10 +132,7 @@ if serving["runs"]:
                        ("median_itl_ms", "ITL median"), ("p99_itl_ms", "ITL p99")):
         ax.plot(labels, [r[key] for r in serving["runs"]], marker="o", label=label)
     ax.set_yscale("log")
-    low, high = ax.get_ylim()
-    ticks = [t for t in (5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if low <= t <= high]
-    ax.set_yticks(ticks, [str(t) for t in ticks])
-    ax.minorticks_off()
+    nb.log_ticks(ax)
     ax.set_xlabel("request rate (requests / s; inf: all sent at once)")
     ax.set_ylabel("ms (log scale)")
     ax.set_title("latency stays flat until the engine saturates", fontsize=10)

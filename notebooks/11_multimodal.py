@@ -49,6 +49,7 @@ from nano_v1.benchmarks.multimodal import (
     write_tiny_llava,
 )
 from nano_v1.benchmarks.utils import TINY_QWEN3_SHAPE
+from nano_v1.engine.arg_utils import EngineArgs
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 threads = nb.set_threads()
@@ -67,6 +68,12 @@ IMAGE = TEXT_SHAPE["vocab_size"] - 1  # the image token of a checkpoint without 
 # Every engine here: float32, and a KV cache of 1024 blocks (16k tokens, more than any run needs)
 # instead of the CPU default of 1 GiB, which costs seconds to zero at each start.
 ENGINE_ARGS = dict(model=MODEL, dtype="float32", num_gpu_blocks_override=1024)
+
+
+def in_process_llm(**engine_args) -> LLM:
+    """An `LLM` whose engine core runs in this process, so that the notebook can read its scheduler."""
+    return LLM.from_engine_args(EngineArgs(**ENGINE_ARGS, **engine_args), enable_multiprocessing=False)
+
 print(nb.device_label(), f"torch threads: {threads}; {NUM_IMAGE_TOKENS} positions per image")
 
 # %% [markdown]
@@ -98,7 +105,7 @@ SETTINGS = {
 }
 schedules = {}
 for name, engine_args in SETTINGS.items():
-    llm = LLM(**ENGINE_ARGS, **engine_args)
+    llm = in_process_llm(**engine_args)
     schedules[name] = record_schedule(llm, seed_prompt, max_tokens=2)
     print(f"{name:>38}: " + ", ".join(f"{{r: {s['num_tokens']}}}" + (" +encoder" if s["encoded"] else "")
                                       for s in schedules[name]))
@@ -146,7 +153,7 @@ nb.save_figure(fig, "11_schedule")
 # peer of every run is the run without sharing (k = n) of the same repeat.
 
 # %%
-llm = LLM(**ENGINE_ARGS)
+llm = in_process_llm()
 DISTINCT = sorted({1, 2, 4, NUM_REQUESTS // 2, NUM_REQUESTS})
 rows = encoder_cache_sweep(llm, IMAGE, NUM_IMAGE_TOKENS, NUM_REQUESTS, DISTINCT, REPEATS)
 
@@ -224,8 +231,8 @@ IMAGES_PER_STEP = nb.pick(cpu=[1, 2, NUM_TTFT], gpu=[1, 2, NUM_TTFT], smoke=[1])
 BUDGETS = sorted({n * NUM_IMAGE_TOKENS for n in IMAGES_PER_STEP} | {DEFAULT_BUDGET})
 ttft, ttft_runs = {}, {}
 for budget in BUDGETS:
-    engine = LLM(**ENGINE_ARGS, max_num_batched_tokens=TOKEN_BUDGET, max_num_encoder_input_tokens=budget,
-                 enable_prefix_caching=False)
+    engine = in_process_llm(max_num_batched_tokens=TOKEN_BUDGET, max_num_encoder_input_tokens=budget,
+                            enable_prefix_caching=False)
     runs = []
     for repeat in range(REPEATS):
         rng = np.random.default_rng([2000, repeat])

@@ -19,6 +19,7 @@ hides it, by default in another process (chapter 09).
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -100,6 +101,18 @@ def tick_at(axes, values) -> None:
     for ax in axes:
         ax.set_xticks(values, [str(v) for v in values])
         ax.minorticks_off()
+
+
+def log_ticks(ax, axis: str = "y") -> None:
+    """Label a log axis with plain numbers (1, 2, 5 x 10^k; finer if its range is narrow), no minor ticks."""
+    low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    for steps in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [m * 10.0**e for e in decades for m in steps if low <= m * 10.0**e <= high]
+        if len(ticks) >= 3:
+            break
+    (ax.set_yticks if axis == "y" else ax.set_xticks)(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
 
 
 def finish_figure(fig, title: str) -> None:
