@@ -1,5 +1,7 @@
 """nano_v1: an annotated, educational reference implementation of the vLLM v1 engine.
 
+Mirrors vllm/__init__.py, which exports these names too (among many more), also lazily.
+
 The public names are imported lazily, so `import nano_v1.core.block_pool` does not pull
 in the model runner, torch models and transformers.
 """

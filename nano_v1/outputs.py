@@ -50,6 +50,8 @@ class StepTiming:
     num_sampled_reqs: int  # requests that gained at least one token this step
     execute_model_s: float  # the whole call; it ends with the step's device -> host sync
     forward_s: float  # the model's forward call as seen by the host: launches, or graph replays
+    encoder_s: float = 0.0  # the vision encoder on this step's images, as seen by the host (chapter 11)
+    num_encoder_tokens: int = 0  # image tokens the encoder computed this step
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

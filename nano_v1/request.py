@@ -18,6 +18,7 @@ from nano_v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nano_v1.core.kv_cache_utils import BlockHash, RequestBlockHasher
+    from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +59,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         block_hasher: "RequestBlockHasher | None" = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -79,6 +81,11 @@ class Request:
         # (an admitted request, the only kind that has outputs, always has a count).
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+
+        # Images in the prompt, in prompt order, each with its placeholder positions (chapter 11).
+        self.mm_features = mm_features or []
+        self.num_encoder_inputs = len(self.mm_features)
+        self.has_encoder_inputs = self.num_encoder_inputs > 0
 
         # Hashes of the request's full blocks, extended as tokens arrive (chapter 03).
         self.block_hashes: list[BlockHash] = []
@@ -104,6 +111,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
+
+    def get_num_encoder_tokens(self, input_id: int) -> int:
+        """Placeholder positions (= encoder output rows) of the request's input `input_id`."""
+        return self.mm_features[input_id].mm_position.length
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

@@ -110,7 +110,7 @@ def make_vllm_config(model: str, device: str = "cpu", **engine_args) -> VllmConf
 
 def make_scheduler(
     num_blocks, block_size, budget, max_seqs, max_model_len, caching,
-    chunked=True, policy="fcfs", num_spec_tokens=0,
+    chunked=True, policy="fcfs", num_spec_tokens=0, reserve_full_isl=False,
 ) -> Scheduler:  # fmt: skip
     """A scheduler over `num_blocks` KV blocks (block 0 is the null block), with no checkpoint."""
     from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
@@ -125,9 +125,11 @@ def make_scheduler(
         max_num_seqs=max_seqs,
         enable_chunked_prefill=chunked,
         policy=policy,
+        scheduler_reserve_full_isl=reserve_full_isl,
     )
-    # The scheduler reads only max_model_len from the model's config: no checkpoint needed.
-    config.model_config = types.SimpleNamespace(max_model_len=max_model_len)
+    # The scheduler reads only max_model_len and whether the model takes images (chapter 11)
+    # from the model's config: no checkpoint needed.
+    config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=False)
     config.device_config = DeviceConfig("cpu")
     if num_spec_tokens:
         config.speculative_config = SpeculativeConfig(

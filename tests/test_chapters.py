@@ -28,6 +28,7 @@ FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|
 NOTEBOOK_RE = re.compile(r"(?<![\w/])notebooks/[\w.-]+\.(?:py|ipynb)")
 BOX_RE = re.compile(
     r"> \*\*Files\*\*: (?P<files>.+) · \*\*Notebook\*\*: (?P<notebook>.+) · \*\*Run\*\*: (?P<run>.+)"
+    r" · \*\*vLLM\*\*: v[\d.]+"
 )
 
 
@@ -103,7 +104,8 @@ def test_opens_with_heading_and_box(chapter):
     )
     box = BOX_RE.fullmatch(lines[1])
     assert box, (
-        f"second line must be the box '> **Files**: ... · **Notebook**: ... · **Run**: ...', got {lines[1]!r}"
+        f"second line must be the box '> **Files**: ... · **Notebook**: ... · **Run**: ... · **vLLM**: v...', "
+        f"got {lines[1]!r}"
     )
     assert f"pytest -m ch{number}" in box["run"], f"the box's Run must name `pytest -m ch{number}`"
     assert "nano_v1/" in box["files"]

@@ -203,14 +203,20 @@ def make_requests(rng: random.Random, num: int, block_size: int, max_prompt: int
     caching=st.booleans(),
     abort_prob=st.sampled_from([0.0, 0.1]),
     policy=st.sampled_from(["fcfs", "priority"]),
+    reserve_full_isl=st.booleans(),
 )
-def test_scheduler_invariants_and_outputs(seed, block_size, budget, max_seqs, caching, abort_prob, policy):
+def test_scheduler_invariants_and_outputs(
+    seed, block_size, budget, max_seqs, caching, abort_prob, policy, reserve_full_isl
+):
     rng = random.Random(seed)
     max_prompt, max_out = 40, 12
     max_model_len = 3 * 16 + max_prompt + max_out + 1
     # Between "one request at a time" and "plenty": small pools force preemption.
     num_blocks = rng.randint(max_model_len // block_size + 2, 3 * max_model_len // block_size + 2)
-    sched = make_scheduler(num_blocks, block_size, budget, max_seqs, max_model_len, caching, policy=policy)
+    sched = make_scheduler(
+        num_blocks, block_size, budget, max_seqs, max_model_len, caching, policy=policy,
+        reserve_full_isl=reserve_full_isl,
+    )  # fmt: skip
     requests = make_requests(rng, rng.randint(1, 12), block_size, max_prompt, max_out, shared=True)
     for r in requests:
         r.priority = rng.randint(0, 2)
@@ -261,6 +267,41 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
     sched.update_from_output(so, runner.execute_model(so))
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_lets_smaller_ones_pass():
+    """vLLM v0.11.0 skips a whole prompt larger than the budget left and admits those behind it."""
+    sched = make_scheduler(64, 4, budget=10, max_seqs=4, max_model_len=100, caching=False, chunked=False)
+    for rid, n in (("a", 4), ("b", 9), ("c", 5), ("d", 9)):
+        sched.add_request(Request(rid, [1] * n, SamplingParams(max_tokens=3, ignore_eos=True), None))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 4, "c": 5}  # b and d wait; c fits in the 6 left
+    # The skipped ones go back to the front, in v0.11.0's order (the last skipped first).
+    assert [r.request_id for r in sched.waiting] == ["d", "b"]
+
+
+def test_full_prompt_admission_gate():
+    """scheduler_reserve_full_isl: a prompt is admitted only if the cache holds all of it.
+
+    10 usable blocks of 4 tokens. "a" (16 prompt tokens) prefills in two steps and then
+    decodes into a 5th block, leaving 5 free. "b" has a 30-token prompt (8 blocks): its
+    first chunk, the 9 tokens the budget has left, fits in 3 blocks; its whole prompt does not.
+    """
+    for gate, admitted in ((False, True), (True, False)):
+        sched = make_scheduler(11, 4, budget=10, max_seqs=4, max_model_len=40, caching=False, reserve_full_isl=gate)
+        runner = FakeModelRunner(4)
+        sched.add_request(Request("a", [1] * 16, SamplingParams(max_tokens=8, ignore_eos=True), None))
+        for _ in range(2):
+            so = sched.schedule()
+            sched.update_from_output(so, runner.execute_model(so))
+        sched.add_request(Request("b", [2] * 30, SamplingParams(max_tokens=2, ignore_eos=True), None))
+        so = sched.schedule()
+        assert ("b" in so.num_scheduled_tokens) == admitted, gate
+        free_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        if admitted:
+            assert so.num_scheduled_tokens == {"a": 1, "b": 9} and free_blocks == 2
+        else:
+            assert so.num_scheduled_tokens == {"a": 1} and free_blocks == 5  # b took nothing
 
 
 def test_preemption_sends_victim_to_head_of_queue_and_recomputes():

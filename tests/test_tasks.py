@@ -60,16 +60,13 @@ def decode(prompt_len: int, outputs: list[int], max_model_len: int = 100, **para
             RequestStatus.FINISHED_LENGTH_CAPPED,
             None,
         ),
-        (3, [EOS, EOS, EOS], 100, dict(max_tokens=10, min_tokens=3), RequestStatus.FINISHED_STOPPED, None),
+        # min_tokens is the sampler's to hold (it masks stop tokens until then); a stop token
+        # that check_stop does see ends the request (vLLM v0.11.0).
+        (3, [EOS], 100, dict(max_tokens=10, min_tokens=3), RequestStatus.FINISHED_STOPPED, None),
         (3, [11, 12], 100, dict(max_tokens=10, stop_token_ids=[12]), RequestStatus.FINISHED_STOPPED, 12),
-        (
-            3,
-            [12, 12],
-            100,
-            dict(max_tokens=10, min_tokens=2, stop_token_ids=[12]),
-            RequestStatus.FINISHED_STOPPED,
-            12,
-        ),
+        (3, [11, 12], 100, dict(max_tokens=10, min_tokens=5, stop_token_ids=[12]), RequestStatus.FINISHED_STOPPED, 12),
+        # ignore_eos: EOS is an ordinary token, but a stop token id still stops.
+        (3, [EOS, 12], 100, dict(max_tokens=10, ignore_eos=True, stop_token_ids=[12]), RequestStatus.FINISHED_STOPPED, 12),
         # The length cap wins over a stop token sampled at the same step.
         (3, [7, EOS], 100, dict(max_tokens=2), RequestStatus.FINISHED_LENGTH_CAPPED, None),
         # The context window caps the request even before min_tokens.

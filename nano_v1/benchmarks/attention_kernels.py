@@ -1,6 +1,7 @@
 """Attention kernels: the Triton paged kernel against gather-then-SDPA, for prefill, decode and mixed batches.
 
-Mirrors the kernel benchmarks of vllm/benchmarks/kernels/ (chapter 06).
+Mirrors no vLLM module: vLLM's kernel benchmarks are scripts in its repository's
+benchmarks/kernels/ (chapter 06).
 
 Why it exists: a paged kernel must earn its complexity. The obvious PyTorch way to attend
 over a paged cache is to gather every request's pages into one padded, contiguous K/V

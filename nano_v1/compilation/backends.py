@@ -1,7 +1,7 @@
 """The piecewise backend: split the model's FX graph at attention, compile and graph the rest.
 
 Mirrors vllm/compilation/backends.py (`split_graph`, `VllmBackend`) and
-vllm/compilation/piecewise_backend.py (chapter 08).
+vllm/compilation/cuda_piecewise_backend.py (chapter 08).
 
 Why it exists: torch.compile hands a backend the whole forward pass as one FX graph, traced
 once by Dynamo with the token count as a symbolic size. Everything in it is dense,

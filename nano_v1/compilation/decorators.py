@@ -28,17 +28,18 @@ MAX_ENGINES_PER_PROCESS = 64
 def compile_forward(
     model: nn.Module,
     backend: VllmBackend,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
+    inputs: tuple[torch.Tensor | None, ...],
     attn_layers: dict[str, nn.Module],
 ) -> None:
-    """Replace `model.forward` by its compiled version and trace it once on `input_ids`, `positions`.
+    """Replace `model.forward` by its compiled version and trace it once on `model(*inputs)`.
 
-    `mark_dynamic` makes dimension 0 of the inputs a symbol instead of a constant. Dynamo
-    then guards the graph with facts about that symbol it relied on while tracing (for
-    example "not 1", from a reshape), and would trace again for a 1-token step; those
-    shape guards are dropped, as vLLM skips guards altogether: the graph's ops work at any
-    token count. The inputs should be slices of the buffers every later step slices too.
+    `inputs` is `(input_ids, positions)`, or a multimodal model's `(None, positions,
+    inputs_embeds)` (chapter 11). `mark_dynamic` makes dimension 0 of each tensor a
+    symbol instead of a constant. Dynamo then guards the graph with facts about that
+    symbol it relied on while tracing (for example "not 1", from a reshape), and would
+    trace again for a 1-token step; those shape guards are dropped, as vLLM skips guards
+    altogether: the graph's ops work at any token count. The inputs should be slices of
+    the buffers every later step slices too.
     """
     # Dynamo keeps one compiled entry per engine (each has a backend of its own) on the model
     # class's `forward`, and by default refuses a ninth, which fullgraph=True makes an error:
@@ -51,11 +52,12 @@ def compile_forward(
         dynamic=False,
         options={"guard_filter_fn": lambda guards: [g.guard_type != "SHAPE_ENV" for g in guards]},
     )
-    torch._dynamo.mark_dynamic(input_ids, 0)
-    torch._dynamo.mark_dynamic(positions, 0)
+    for tensor in inputs:
+        if tensor is not None:
+            torch._dynamo.mark_dynamic(tensor, 0)
     start = time.perf_counter()
     with set_forward_context(None, attn_layers):
-        model(input_ids, positions)
+        model(*inputs)
     logger.info(
         "torch.compile: traced once and split into %d pieces in %.2f s",
         len(backend.piecewise_graphs),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES
+from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES, is_multimodal_model
 
 _DTYPES = {
     "float32": torch.float32,
@@ -63,6 +63,9 @@ class ModelConfig:
     disable_cascade_attn: bool = False
     """Never run cascade attention over a shared prefix, even where the model says it pays (chapter 07)."""
     hf_config: Any = field(init=False, repr=False)
+    # The language model's part of hf_config: hf_config itself, or a multimodal model's
+    # text_config (chapter 11). Every shape accessor below reads this one.
+    hf_text_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -93,9 +96,10 @@ class ModelConfig:
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_text_config = self.hf_config.get_text_config()
         self.tokenizer = self.tokenizer or self.model
         self.dtype = self._resolve_dtype(self.dtype)
-        limit = self.hf_config.max_position_embeddings
+        limit = self.hf_text_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
         elif not (isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit):
@@ -115,22 +119,28 @@ class ModelConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}.")
         return _DTYPES[dtype]
 
-    # Shape accessors, named as in vLLM's ModelConfig.
+    @property
+    def is_multimodal_model(self) -> bool:
+        """Whether the architecture takes images besides text (chapter 11)."""
+        return is_multimodal_model(self.hf_config.architectures)
+
+    # Shape accessors of the language model, named as in vLLM's ModelConfig.
     def get_vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_text_config.vocab_size
 
     def get_hidden_size(self) -> int:
-        return self.hf_config.hidden_size
+        return self.hf_text_config.hidden_size
 
     def get_num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.hf_text_config.num_hidden_layers
 
     def get_num_attention_heads(self) -> int:
-        return self.hf_config.num_attention_heads
+        return self.hf_text_config.num_attention_heads
 
     def get_num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        config = self.hf_text_config
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     def get_head_size(self) -> int:
-        head_dim = getattr(self.hf_config, "head_dim", None)
-        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        config = self.hf_text_config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -31,11 +31,23 @@ class SchedulerConfig:
     """Cap on the tokens one request may take in a step; 0 means no cap beyond the budget."""
     policy: str = "fcfs"
     """Order of the waiting queue, and of preemption: fcfs or priority."""
+    scheduler_reserve_full_isl: bool = False
+    """Admit a waiting request only if the free KV blocks cover its whole prompt, not just
+    its first chunk (vLLM 0.33's option, on by default there; v0.11.0 has no such gate)."""
+    max_num_encoder_input_tokens: int | None = None
+    """Encoder compute budget of one step, in image tokens (chapter 11); default: max_num_batched_tokens,
+    or one image's tokens if more. vLLM v0.11.0 fixes it to that default."""
+    encoder_cache_size: int | None = None
+    """Image tokens of encoder output the model runner may keep (chapter 11); default: max_num_batched_tokens,
+    or one image's tokens if more. vLLM v0.11.0 fixes it to that default."""
+    disable_chunked_mm_input: bool = False
+    """Never split an image's positions across steps: a chunk that would end inside an image stops before it."""
 
     def __post_init__(self) -> None:
         check_positive_int("max_num_seqs", self.max_num_seqs)
-        if self.max_num_batched_tokens is not None:
-            check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("max_num_batched_tokens", "max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         if not (
             isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0
         ):

@@ -105,6 +105,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for the request's next `num_new_tokens` tokens; all or nothing.
 
@@ -121,6 +122,10 @@ class KVCacheManager:
         Returns None if the free pool cannot cover the new blocks, and then changes
         nothing. Cache hits that sit in the free queue (ref_cnt 0) count against the
         free pool too: touching them takes them out of it.
+
+        With `full_sequence_must_fit` (the scheduler's `scheduler_reserve_full_isl`, on
+        admission) it also returns None unless the free pool could hold the request's whole
+        sequence, not just this chunk; it still allocates only this chunk's blocks.
 
         Otherwise returns only the freshly allocated blocks (possibly []). What the
         scheduler sends the runner:
@@ -159,7 +164,13 @@ class KVCacheManager:
         num_evictable_computed_blocks = (
             sum(block.ref_cnt == 0 for block in new_computed_blocks) if new_computed_blocks else 0
         )
-        if num_new_blocks + num_evictable_computed_blocks > self.block_pool.get_num_free_blocks():
+        num_blocks_to_check = num_new_blocks
+        if full_sequence_must_fit:
+            num_full_sequence_blocks = -(-min(request.num_tokens, self.max_model_len) // self.block_size)
+            num_blocks_to_check = max(
+                num_new_blocks, num_full_sequence_blocks - len(req_blocks) - len(new_computed_blocks)
+            )
+        if num_blocks_to_check + num_evictable_computed_blocks > self.block_pool.get_num_free_blocks():
             return None
 
         # Committed from here on. Touch the hits first, so that get_new_blocks cannot
@@ -212,6 +223,10 @@ class KVCacheManager:
         scheduled ones share a prefix.
         """
         assert request.status == RequestStatus.RUNNING
+        if not self.enable_caching:
+            # As vLLM v0.11.0 (KVCacheCoordinatorNoPrefixCache): without prefix caching no
+            # block is shared by design, so cascade attention is never asked for.
+            return 0
         num_common_blocks = 0
         for block in self.req_to_blocks.get(request.request_id, []):
             if block.ref_cnt != num_running_requests:

@@ -1,12 +1,14 @@
 """KV cache building blocks: the block record, the O(1) free queue, and block hashing.
 
-Mirrors vllm/v1/core/kv_cache_utils.py (chapters 02 and 03).
+Mirrors vllm/v1/core/kv_cache_utils.py (chapters 02, 03 and 11).
 
 Why it exists: the paged KV cache is a pool of fixed-size blocks. The pool needs a
 record per block (`KVCacheBlock`), an ordering of the free blocks that doubles as the
 prefix cache's LRU eviction order (`FreeKVCacheBlockQueue`), and a content address for
 every full block (`hash_block_tokens`) so that a new request can find blocks another
-request already computed.
+request already computed. A block whose positions hold part of an image carries the
+image's content hash in its extra keys (`generate_block_hash_extra_keys`, chapter 11):
+the KV there depends on the image, which the placeholder token ids do not show.
 """
 
 from __future__ import annotations
@@ -194,6 +196,40 @@ def hash_block_tokens(
     return BlockHash(hashlib.sha256(data).digest())
 
 
+def _gen_mm_extra_hash_keys(request: Request, start_token_idx: int, end_token_idx: int) -> list[str]:
+    """The mm_hash of every image with a position in the block `[start_token_idx, end_token_idx)`.
+
+    An image of 10 positions at offset 6 with 4-token blocks is in blocks 1, 2, 3 and 4
+    (positions 4-7, ..., 16-19), not in block 0 (0-3) nor block 5 (20-23). The request's
+    `mm_features` are in prompt order, so no image after one that starts past the block
+    can be in it.
+    """
+    # BEGIN TASK ch11_t2: identifiers of the images whose positions overlap the block, in prompt order
+    extra_keys = []
+    for mm_feature in request.mm_features:
+        offset = mm_feature.mm_position.offset
+        if offset >= end_token_idx:
+            break
+        if offset + mm_feature.mm_position.length > start_token_idx:
+            extra_keys.append(mm_feature.identifier)
+    return extra_keys
+    # END TASK
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int
+) -> tuple[Any, ...] | None:
+    """The extra keys of one block: the hashes of the images in it; None if there are none.
+
+    vLLM also folds in a LoRA adapter's id and a cache salt, which nano_v1 does not have,
+    and carries an image index from block to block to skip images already passed.
+    """
+    if not request.mm_features:
+        return None
+    mm_extra_keys = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx)
+    return tuple(mm_extra_keys) if mm_extra_keys else None
+
+
 class RequestBlockHasher:
     """Hashes the blocks a request's new tokens have filled; a `Request` calls it.
 
@@ -209,7 +245,7 @@ class RequestBlockHasher:
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of blocks `len(request.block_hashes)`, ... that are now full (a partial
         last block gets no hash until it fills)."""
-        # BEGIN TASK ch03_t1: hash each newly full block, chaining from the previous block's hash
+        # BEGIN TASK ch03_t1: hash each newly full block and its extra keys, chaining from the previous hash
         block_size = self.block_size
         start = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens
@@ -217,7 +253,9 @@ class RequestBlockHasher:
         parent = request.block_hashes[-1] if request.block_hashes else None
         new_hashes = []
         for block_start in range(start, num_tokens - block_size + 1, block_size):
-            parent = hash_block_tokens(parent, token_ids[block_start : block_start + block_size])
+            block_end = block_start + block_size
+            extra_keys = generate_block_hash_extra_keys(request, block_start, block_end)
+            parent = hash_block_tokens(parent, token_ids[block_start:block_end], extra_keys)
             new_hashes.append(parent)
         return new_hashes
         # END TASK

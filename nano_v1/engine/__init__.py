@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nano_v1.metrics.stats import SchedulerStats
+from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    # The prompt's images, placeholders already expanded in prompt_token_ids (chapter 11).
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 @dataclass(slots=True)

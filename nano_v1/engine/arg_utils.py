@@ -57,6 +57,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
     scheduling_policy: str = SchedulerConfig.policy
+    scheduler_reserve_full_isl: bool = SchedulerConfig.scheduler_reserve_full_isl
+    max_num_encoder_input_tokens: int | None = SchedulerConfig.max_num_encoder_input_tokens
+    encoder_cache_size: int | None = SchedulerConfig.encoder_cache_size
+    disable_chunked_mm_input: bool = SchedulerConfig.disable_chunked_mm_input
     # CompilationConfig and SpeculativeConfig, each given whole (a dict, or JSON on the CLI)
     compilation_config: CompilationConfig | dict | int | str | None = None
     speculative_config: dict[str, Any] | str | None = None
@@ -128,6 +132,10 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=self.encoder_cache_size,
+                disable_chunked_mm_input=self.disable_chunked_mm_input,
             ),
             device_config=DeviceConfig(self.device),
             compilation_config=CompilationConfig.from_arg(self.compilation_config),
@@ -175,6 +183,10 @@ _CLI_GROUPS: list[tuple[str, type, list[str]]] = [
             "enable_chunked_prefill",
             "long_prefill_token_threshold",
             "scheduling_policy",
+            "scheduler_reserve_full_isl",
+            "max_num_encoder_input_tokens",
+            "encoder_cache_size",
+            "disable_chunked_mm_input",
         ],
     ),
     ("compilation and speculative decoding", EngineArgs, ["compilation_config", "speculative_config"]),

@@ -36,7 +36,7 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.tokenizer = load_tokenizer(vllm_config.model_config)
-        self.processor = Processor(vllm_config.model_config, self.tokenizer)
+        self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(
             multiprocess_mode=True, asyncio_mode=True, vllm_config=vllm_config

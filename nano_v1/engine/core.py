@@ -84,6 +84,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 block_hasher=self.request_block_hasher,
+                mm_features=request.mm_features,
             )
         )
 

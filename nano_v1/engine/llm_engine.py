@@ -51,7 +51,7 @@ class LLMEngine:
     def __init__(self, vllm_config: VllmConfig, multiprocess_mode: bool = False) -> None:
         self.vllm_config = vllm_config
         self.tokenizer = load_tokenizer(vllm_config.model_config)
-        self.processor = Processor(vllm_config.model_config, self.tokenizer)
+        self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(
             multiprocess_mode=multiprocess_mode, asyncio_mode=False, vllm_config=vllm_config

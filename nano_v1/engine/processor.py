@@ -1,10 +1,13 @@
 """Input processing: turn a user prompt and its sampling parameters into an `EngineCoreRequest`.
 
-Mirrors vllm/v1/engine/processor.py (chapter 01).
+Mirrors vllm/v1/engine/processor.py (chapters 01 and 11).
 
 Why here: this is the boundary where user input enters the engine, so every check that
 can fail because of the user happens here, before anything is queued. A bad prompt is
 rejected with a `ValueError` that names the problem, and no other request is touched.
+A multimodal model's prompt may carry images (`{"prompt": ..., "multi_modal_data":
+{"image": ...}}`); the model's processor checks them and expands their placeholders
+here too (chapter 11), so the engine core receives nothing it could fail on.
 """
 
 from __future__ import annotations
@@ -13,11 +16,15 @@ import copy
 import time
 from typing import Any
 
-from nano_v1.config import ModelConfig
+from nano_v1.config import ModelConfig, VllmConfig
+from nano_v1.core.encoder_cache_manager import compute_encoder_budget
 from nano_v1.engine import EngineCoreRequest
+from nano_v1.multimodal import MULTIMODAL_REGISTRY
+from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sampling_params import SamplingParams
 
-# A prompt is a string, or a dict with "prompt_token_ids" (or "prompt"), as in vLLM.
+# A prompt is a string, or a dict with "prompt_token_ids" (or "prompt") and, for a
+# multimodal model, "multi_modal_data", as in vLLM.
 PromptType = str | dict[str, Any]
 
 
@@ -40,15 +47,15 @@ def _generation_eos_ids(model_config: ModelConfig) -> set[int]:
     try:
         eos = GenerationConfig.from_pretrained(model_config.model).eos_token_id
     except OSError:
-        eos = model_config.hf_config.eos_token_id
+        eos = model_config.hf_text_config.eos_token_id
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer) -> None:
-        self.model_config = model_config
+    def __init__(self, vllm_config: VllmConfig, tokenizer) -> None:
+        model_config = self.model_config = vllm_config.model_config
         self.tokenizer = tokenizer
         self.vocab_size = model_config.get_vocab_size()
         self.generation_eos_ids = _generation_eos_ids(model_config)
@@ -56,6 +63,14 @@ class Processor:
             self.eos_token_id = tokenizer.eos_token_id
         else:
             self.eos_token_id = min(self.generation_eos_ids) if self.generation_eos_ids else None
+        # Multimodal models only: the model's processor, and the largest image the engine
+        # core could ever schedule (its encoder budget and cache, in image tokens).
+        self.mm_processor = None
+        if MULTIMODAL_REGISTRY.supports_multimodal_inputs(model_config):
+            self.mm_processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+        self.max_num_encoder_input_tokens, self.encoder_cache_size = compute_encoder_budget(
+            model_config, vllm_config.scheduler_config, MULTIMODAL_REGISTRY
+        )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids), validating their form."""
@@ -88,6 +103,7 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
         prompt_text, token_ids = self.tokenize(prompt)
+        token_ids, mm_features = self._process_multimodal(prompt, token_ids)
         self._validate_prompt(token_ids)
         max_model_len = self.model_config.max_model_len
         params = copy.copy(params)  # the engine fills in per-request fields
@@ -106,7 +122,33 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
+            mm_features=mm_features,
         )
+
+    def _process_multimodal(
+        self, prompt: PromptType, token_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeatureSpec] | None]:
+        """Expand the prompt's image placeholders and check every image can be scheduled.
+
+        Returns the token ids unchanged and None for a text-only model. A multimodal
+        model's prompt is always checked, images or not: placeholder tokens without an
+        image are an error too.
+        """
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if self.mm_processor is None:
+            if mm_data is not None:
+                raise ValueError(f"model {self.model_config.model!r} is not multimodal; it takes no multi_modal_data.")
+            return token_ids, None
+        token_ids, mm_features = self.mm_processor.apply(token_ids, {} if mm_data is None else mm_data)
+        limit = min(self.max_num_encoder_input_tokens, self.encoder_cache_size)
+        for i, feature in enumerate(mm_features):
+            if feature.mm_position.length > limit:
+                raise ValueError(
+                    f"{feature.modality} {i} takes {feature.mm_position.length} tokens, more than the encoder can "
+                    f"ever hold (max_num_encoder_input_tokens={self.max_num_encoder_input_tokens}, "
+                    f"encoder_cache_size={self.encoder_cache_size}): raise them."
+                )
+        return token_ids, mm_features or None
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

@@ -13,7 +13,7 @@ model. The dummy format skips the checkpoint entirely, for benchmarks of shapes 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +40,49 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     """Copy a checkpoint tensor into a parameter of the same shape (on its device, in its dtype)."""
     check_shape(param, loaded_weight)
     param.data.copy_(loaded_weight)
+
+
+def load_stacked_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params_mapping: Sequence[tuple[str, str, int | str]],
+    skip: Callable[[str], bool],
+) -> set[str]:
+    """Copy checkpoint tensors into `model`'s parameters; return the names of the parameters loaded.
+
+    `stacked_params_mapping` holds `(fused parameter name, checkpoint name, shard id)` for
+    tensors that go into a slice of a fused parameter (`.q_proj` -> shard "q" of
+    `.qkv_proj`); `skip(name)` is true for tensors the model deliberately has no parameter
+    for. Every other tensor must match a parameter, which loads it with its
+    `weight_loader` (plain `nn.LayerNorm`, `nn.Conv2d` and `nn.Embedding` parameters of a
+    vision tower have none and are copied as they are).
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, loaded_weight in weights:
+        if skip(name):
+            continue
+        param_name, shard_id = name, None
+        for fused_name, checkpoint_name, fused_shard in stacked_params_mapping:
+            if checkpoint_name in name:
+                param_name, shard_id = name.replace(checkpoint_name, fused_name), fused_shard
+                break
+        if param_name not in params:
+            raise ValueError(
+                f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}; "
+                "is the checkpoint's config.json the one it was saved with?"
+            )
+        param = params[param_name]
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                weight_loader(param, loaded_weight)
+            else:
+                weight_loader(param, loaded_weight, shard_id)
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint tensor {name!r} into {param_name!r}: {e}") from None
+        loaded.add(param_name)
+    return loaded
 
 
 def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

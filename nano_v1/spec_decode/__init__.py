@@ -1,1 +1,4 @@
-"""Speculative decoding: draft proposers, verification metadata and acceptance statistics (chapter 10)."""
+"""Speculative decoding: draft proposers, verification metadata and acceptance statistics (chapter 10).
+
+Mirrors vllm/v1/spec_decode/.
+"""

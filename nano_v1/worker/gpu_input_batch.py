@@ -12,12 +12,13 @@ O(changes). Rows stay dense (`0 .. num_reqs-1`) so that every column can be slic
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from nano_v1.core.sched.output import NewRequestData
+from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MinTokensLogitsProcessor
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int]
+    # The prompt's images (chapter 11): where their encoder outputs go, and their hashes.
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
     @classmethod
     def from_new_request(cls, new_req: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -56,6 +59,7 @@ class CachedRequestState:
             block_ids=list(new_req.block_ids),
             num_computed_tokens=new_req.num_computed_tokens,
             output_token_ids=[],
+            mm_features=new_req.mm_features,
         )
 
     @property

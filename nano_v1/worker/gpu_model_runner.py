@@ -17,6 +17,13 @@ records a CUDA graph per key of the `CudagraphDispatcher` at start-up. Each step
 dispatcher which graph to replay and how far to pad, and tells the graph wrappers through
 the forward context. The padding rows compute garbage that nothing reads: attention
 caches and attends only the real tokens, and logits take real rows only.
+
+Chapter 11: a multimodal model's step first runs the vision encoder on the images the
+scheduler chose (`_execute_mm_encoder`), keeps their outputs in `encoder_cache` until
+the scheduler frees them, and gathers the rows of this step's image positions
+(`_gather_mm_embeddings`) into the token embeddings. Its forward pass then takes
+embeddings instead of token ids, on every step, so that one compiled graph (and one set
+of CUDA graphs) serves steps with and without images.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
 from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.model_executor.model_loader import get_model
+from nano_v1.multimodal import MULTIMODAL_REGISTRY
 from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput, StepTiming
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -120,6 +128,15 @@ class GPUModelRunner:
 
         self.input_ids = buffer(self.max_num_tokens, torch.int64)
         self.positions = buffer(self.max_num_tokens, torch.int64)
+        # Multimodal models (chapter 11): the step's input embeddings, [max_num_tokens, hidden_size],
+        # and the encoder outputs, mm_hash -> [num_image_tokens, hidden_size], until the scheduler frees them.
+        self.supports_mm_inputs = MULTIMODAL_REGISTRY.supports_multimodal_inputs(self.model_config)
+        self.inputs_embeds = (
+            torch.zeros(self.max_num_tokens, self.model_config.get_hidden_size(), dtype=self.dtype, device=device)
+            if self.supports_mm_inputs
+            else None
+        )
+        self.encoder_cache: dict[str, torch.Tensor] = {}
         self.query_start_loc = buffer(self.max_num_reqs + 1, torch.int32)
         self.seq_lens = buffer(self.max_num_reqs, torch.int32)
         # 0, 1, 2, ... once, so that per-step aranges are slices rather than allocations.
@@ -162,13 +179,7 @@ class GPUModelRunner:
                 self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls
             )
             num_tokens = min(self.max_num_tokens, 16)
-            compile_forward(
-                self.model,
-                self.compile_backend,
-                self.input_ids.gpu[:num_tokens],
-                self.positions.gpu[:num_tokens],
-                self.attn_layers,
-            )
+            compile_forward(self.model, self.compile_backend, self._model_inputs(num_tokens), self.attn_layers)
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
             # The whole forward pass, attention included, as one graph per size.
             self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
@@ -206,7 +217,7 @@ class GPUModelRunner:
         """
         num_tokens = self.max_num_tokens
         with set_forward_context(None, self.attn_layers):
-            hidden_states = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+            hidden_states = self.model(*self._model_inputs(num_tokens))
         # Logits rows: one per request, and with speculative decoding one per draft too (chapter 10).
         num_reqs = min(self.max_num_reqs * (1 + (self.drafter.k if self.drafter else 0)), num_tokens)
         logits = self.model.compute_logits(hidden_states[:num_reqs])
@@ -240,6 +251,9 @@ class GPUModelRunner:
             req_index = input_batch.remove_request(req_id)
             if req_index is not None:
                 removed_req_indices.append(req_index)
+        # Encoder outputs the scheduler evicted (chapter 11).
+        for mm_hash in scheduler_output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
         # A batch member not scheduled this step was preempted (or skipped): its row goes,
         # its CachedRequestState stays for when it is scheduled again.
         unscheduled = input_batch.req_id_to_index.keys() - scheduler_output.num_scheduled_tokens.keys()
@@ -378,6 +392,15 @@ class GPUModelRunner:
             logits_indices = spec_decode_metadata.logits_indices
 
         num_tokens, num_reqs = common_attn_metadata.num_actual_tokens, common_attn_metadata.num_reqs
+        encoder_s, num_encoder_tokens = 0.0, 0
+        if self.supports_mm_inputs:
+            encoder_start = time.perf_counter()
+            num_encoder_tokens = self._execute_mm_encoder(scheduler_output)
+            encoder_s = time.perf_counter() - encoder_start
+            mm_embeds, is_mm_embed = self._gather_mm_embeddings(scheduler_output)
+            self.inputs_embeds[:num_tokens] = self.model.get_input_embeddings(
+                self.input_ids.gpu[:num_tokens], mm_embeds, is_mm_embed
+            )
         uniform_decode = common_attn_metadata.max_query_len == 1 and num_tokens == num_reqs
         cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
             num_tokens, uniform_decode
@@ -400,9 +423,7 @@ class GPUModelRunner:
 
         forward_start = time.perf_counter()
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
-            hidden_states = self.model(
-                self.input_ids.gpu[:num_input_tokens], self.positions.gpu[:num_input_tokens]
-            )
+            hidden_states = self.model(*self._model_inputs(num_input_tokens))
         forward_s = time.perf_counter() - forward_start
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
         sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
@@ -416,9 +437,83 @@ class GPUModelRunner:
                     num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
                     execute_model_s=time.perf_counter() - start,
                     forward_s=forward_s,
+                    encoder_s=encoder_s,
+                    num_encoder_tokens=num_encoder_tokens,
                 )
             )
         return output
+
+    def _model_inputs(self, num_tokens: int) -> tuple[torch.Tensor | None, ...]:
+        """The forward pass's arguments for the first `num_tokens` rows of the step buffers:
+        `(input_ids, positions)`, or for a multimodal model `(None, positions, inputs_embeds)`.
+
+        Always slices of the same persistent buffers, so that a compiled graph and its CUDA
+        graphs see the same shapes and addresses at every step (chapter 08).
+        """
+        positions = self.positions.gpu[:num_tokens]
+        if self.supports_mm_inputs:
+            return None, positions, self.inputs_embeds[:num_tokens]
+        return self.input_ids.gpu[:num_tokens], positions
+
+    # ------------------------------------------------------------------ multimodal (chapter 11)
+    def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> int:
+        """Encode this step's scheduled images, in one batch, into `encoder_cache`; return their tokens.
+
+        The scheduler never schedules one mm_hash twice in a step, and a request preempted
+        after its images were scheduled still has them here: the encoder cache counts them.
+        """
+        mm_hashes: list[str] = []
+        pixel_values: list[torch.Tensor] = []
+        for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
+            mm_features = self.requests[req_id].mm_features
+            for input_id in input_ids:
+                mm_hashes.append(mm_features[input_id].identifier)
+                pixel_values.append(mm_features[input_id].data["pixel_values"])
+        if not mm_hashes:
+            return 0
+        batch = torch.stack(pixel_values).to(self.device, self.dtype)  # [num_images, 3, H, W]
+        encoder_outputs = self.model.get_multimodal_embeddings(batch)  # [num_images, num_image_tokens, hidden]
+        for mm_hash, output in zip(mm_hashes, encoder_outputs):
+            self.encoder_cache[mm_hash] = output
+        return encoder_outputs.shape[0] * encoder_outputs.shape[1]
+
+    def _gather_mm_embeddings(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The encoder output rows for exactly this step's image positions, and where they go.
+
+        Returns the rows, one `[n, hidden_size]` piece per (request, image) in flat-batch
+        order, and `is_mm_embed`, a `[num_tokens]` bool mask of the flat batch that is true
+        at those positions (the same count, in the same order); None in a step without
+        image positions (most steps: every decode). E.g. a chunk of positions
+        100..611 over an image at 100..675 takes rows 0..511 of its output; the next chunk
+        takes rows 512..575, from the cache.
+        """
+        total_num_tokens = scheduler_output.total_num_scheduled_tokens
+        is_mm_embed = np.zeros(total_num_tokens, dtype=bool)
+        mm_embeds: list[torch.Tensor] = []
+        query_start_loc = self.query_start_loc.np
+        for req_index, req_id in enumerate(self.input_batch.req_ids):
+            req_state = self.requests[req_id]
+            num_computed_tokens = req_state.num_computed_tokens
+            num_scheduled_tokens = scheduler_output.num_scheduled_tokens[req_id]
+            for mm_feature in req_state.mm_features:
+                start_pos, num_encoder_tokens = mm_feature.mm_position.offset, mm_feature.mm_position.length
+                if start_pos >= num_computed_tokens + num_scheduled_tokens:
+                    break  # this image and every later one lie beyond the chunk
+                if start_pos + num_encoder_tokens <= num_computed_tokens:
+                    continue  # in the KV cache already
+                # Rows [start_idx, end_idx) of the image's output fall in this chunk.
+                start_idx = max(num_computed_tokens - start_pos, 0)
+                end_idx = min(num_computed_tokens + num_scheduled_tokens - start_pos, num_encoder_tokens)
+                encoder_output = self.encoder_cache.get(mm_feature.identifier)
+                assert encoder_output is not None, f"encoder cache miss for {mm_feature.identifier} ({req_id})"
+                mm_embeds.append(encoder_output[start_idx:end_idx])
+                flat_start = query_start_loc[req_index] + start_pos + start_idx - num_computed_tokens
+                is_mm_embed[flat_start : flat_start + end_idx - start_idx] = True
+        if not mm_embeds:
+            return [], None
+        return mm_embeds, torch.from_numpy(is_mm_embed).to(self.device)
 
     def _sample(
         self,
@@ -524,7 +619,7 @@ class GPUModelRunner:
             attn_metadata = self.attn_metadata_builder.build(0, self._pad_for_full_graph(0, num_tokens, 1))
         batch_descriptor = BatchDescriptor(num_tokens, uniform_decode)
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
-            return self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+            return self.model(*self._model_inputs(num_tokens))
 
     @torch.inference_mode()
     def capture_model(self) -> None:

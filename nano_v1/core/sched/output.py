@@ -7,6 +7,10 @@ between steps (chapter 05), so the scheduler sends a *diff*. A request seen for 
 first time travels in full (`NewRequestData`); a request the runner already holds
 travels as a few columns (`CachedRequestData`): its new blocks and its progress.
 Tokens the runner sampled itself never travel back to it.
+
+Chapter 11 adds the encoder's part of the step: which images the runner encodes now
+(`scheduled_encoder_inputs`) and which cached encoder outputs it may drop
+(`free_encoder_mm_hashes`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +34,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The prompt's images (chapter 11); vLLM lists this field after prompt_token_ids.
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: "Request", block_ids: list[int]) -> "NewRequestData":
@@ -38,6 +45,7 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            mm_features=request.mm_features,
         )
 
 
@@ -75,3 +83,7 @@ class SchedulerOutput:
     num_common_prefix_blocks: int
     # Requests finished since the last step: the runner drops their state.
     finished_req_ids: set[str]
+    # {request_id: indices into its mm_features} of the images to encode this step (chapter 11).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # mm_hashes evicted from the encoder cache since the last step: the runner drops their outputs.
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)

@@ -34,6 +34,10 @@ class FCFSRequestQueue(deque):
     def prepend_request(self, request: Request) -> None:
         self.appendleft(request)
 
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        """Put `requests` back in front, as vLLM v0.11.0 does with the requests a step skipped."""
+        self.extendleft(reversed(list(requests)))
+
     def remove_requests(self, requests: Iterable[Request]) -> None:
         gone = {id(r) for r in requests}
         kept = [r for r in self if id(r) not in gone]
@@ -62,6 +66,10 @@ class PriorityRequestQueue:
 
     # A preempted request keeps its key, so "to the front" is just "back into the heap".
     prepend_request = add_request
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.add_request(request)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         gone = {id(r) for r in requests}

@@ -18,6 +18,12 @@ One `schedule()` does two passes under that budget: requests already running fir
 order. When the KV cache cannot give a running request its blocks, the scheduler
 preempts the lowest-priority running request (the last one, under FCFS): it frees the
 victim's blocks and sends it back to the head of the waiting queue to be recomputed.
+
+Images (chapter 11) are scheduled as the placeholder positions they fill, under the same
+token budget, and `_try_schedule_encoder_inputs` adds one rule: a chunk may cover an
+image's positions only if the image's encoder output is cached or the image is encoded
+in this very step, whole, within the step's encoder compute budget and the encoder
+cache's space. Otherwise the chunk stops just before the image.
 """
 
 from __future__ import annotations
@@ -25,19 +31,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nano_v1.config import VllmConfig
+from nano_v1.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
 from nano_v1.core.kv_cache_manager import KVCacheManager
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.request_queue import create_request_queue
 from nano_v1.core.sched.utils import check_stop
 from nano_v1.engine import EngineCoreOutput, EngineCoreOutputs
 from nano_v1.metrics.stats import SchedulerStats
+from nano_v1.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, mm_registry: MultiModalRegistry = MULTIMODAL_REGISTRY) -> None:
         scheduler_config = vllm_config.scheduler_config
         cache_config = vllm_config.cache_config
         assert cache_config.num_gpu_blocks is not None, "size the KV cache before building the scheduler"
@@ -46,6 +54,9 @@ class Scheduler:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # Admit a waiting request only if the cache can hold its whole prompt (vLLM 0.33's
+        # gate, absent from v0.11.0: off by default; chapter 04 measures it).
+        self.scheduler_reserve_full_isl = scheduler_config.scheduler_reserve_full_isl
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
         # Speculative decoding (chapter 10): at most num_spec_tokens drafts per request per
@@ -62,6 +73,15 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
         )
+
+        # The encoder (chapter 11): image tokens it may compute per step, and the cache of
+        # its outputs the model runner keeps; both 0 for a text-only model.
+        encoder_compute_budget, encoder_cache_size = compute_encoder_budget(
+            vllm_config.model_config, scheduler_config, mm_registry
+        )
+        self.max_num_encoder_input_tokens = encoder_compute_budget
+        self.encoder_cache_manager = EncoderCacheManager(cache_size=encoder_cache_size)
+        self.disable_chunked_mm_input = scheduler_config.disable_chunked_mm_input
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -99,6 +119,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -118,6 +139,9 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         token_budget = self.max_num_scheduled_tokens
+        # {request_id: its inputs encoded this step} and what the step may still encode (chapter 11).
+        scheduled_encoder_inputs: dict[str, list[int]] = {}
+        encoder_compute_budget = self.max_num_encoder_input_tokens
 
         # Pass 1: RUNNING requests, in order. Each wants to close the gap between its
         # computed tokens and its known tokens (1 for a decode, more for a chunked prompt).
@@ -126,6 +150,11 @@ class Scheduler:
             request = self.running[req_index]
             num_computed = request.num_computed_tokens
             num_new_tokens = min(self._get_num_new_tokens(request, num_computed), token_budget)
+            encoder_inputs_to_schedule: list[int] = []
+            if request.has_encoder_inputs and num_new_tokens > 0:
+                encoder_inputs_to_schedule, num_new_tokens, new_encoder_compute_budget = (
+                    self._try_schedule_encoder_inputs(request, num_computed, num_new_tokens, encoder_compute_budget)
+                )
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -140,7 +169,9 @@ class Scheduler:
                 # may be this one. Its blocks go back to the pool; it will recompute.
                 victim = self._pick_preemption_victim()
                 if victim.request_id in num_scheduled_tokens:
-                    # Already scheduled this step: give its tokens back to the budget.
+                    # Already scheduled this step: give its tokens back to the budget. Images
+                    # it was given stay scheduled: the encoder cache now counts them, so
+                    # the runner must compute them (its references go at the end of the step).
                     scheduled_running_reqs.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     req_to_new_blocks.pop(victim.request_id)
@@ -158,6 +189,9 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+            if encoder_inputs_to_schedule:
+                self._allocate_encoder_inputs(request, encoder_inputs_to_schedule, scheduled_encoder_inputs)
+                encoder_compute_budget = new_encoder_compute_budget
             if request.spec_token_ids:
                 # Drafts beyond what the budget allowed are dropped, not deferred.
                 num_spec = num_new_tokens + num_computed - request.num_tokens
@@ -167,6 +201,7 @@ class Scheduler:
 
         # Pass 2: WAITING requests, in queue order, only if nobody was preempted this
         # step (memory is tight: admitting new work would just thrash).
+        skipped_waiting_reqs = create_request_queue(self.policy)
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
@@ -175,17 +210,34 @@ class Scheduler:
                 new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 num_new_tokens = self._get_num_new_tokens(request, num_computed_tokens)
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break  # the whole prompt must fit into one step; wait for a roomier one
+                    # The whole prompt must fit into one step: it waits for a roomier one,
+                    # and the requests behind it that fit go first (vLLM v0.11.0).
+                    skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                    continue
                 num_new_tokens = min(num_new_tokens, token_budget)
+                encoder_inputs_to_schedule = []
+                if request.has_encoder_inputs:
+                    encoder_inputs_to_schedule, num_new_tokens, new_encoder_compute_budget = (
+                        self._try_schedule_encoder_inputs(
+                            request, num_computed_tokens, num_new_tokens, encoder_compute_budget
+                        )
+                    )
+                    if num_new_tokens == 0:
+                        break  # the head of the queue waits for the encoder (FCFS)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
                     num_new_tokens,
                     num_new_computed_tokens=num_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
                     num_lookahead_tokens=self.num_lookahead_tokens,
+                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
-                    break  # the cache is full; the head of the queue waits (FCFS)
+                    # The cache is full; the head of the queue waits (FCFS), and lets go of
+                    # the encoder outputs it found cached: held by a waiting request, they
+                    # could keep a request queued before it from ever fitting its image.
+                    self.encoder_cache_manager.free(request)
+                    break
 
                 self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
                 self.waiting.pop_request()
@@ -201,6 +253,17 @@ class Scheduler:
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_computed_tokens
+                if encoder_inputs_to_schedule:
+                    self._allocate_encoder_inputs(request, encoder_inputs_to_schedule, scheduled_encoder_inputs)
+                    encoder_compute_budget = new_encoder_compute_budget
+
+        # Preempted requests let go of their encoder outputs only now, so that nothing
+        # scheduled this step can be evicted in the same step.
+        for request in preempted_reqs:
+            self.encoder_cache_manager.free(request)
+
+        if skipped_waiting_reqs:
+            self.waiting.prepend_requests(skipped_waiting_reqs)
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
@@ -224,11 +287,16 @@ class Scheduler:
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
+            scheduled_encoder_inputs=scheduled_encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
         # Advance optimistically: the tokens are "computed" as of the end of this step, so
         # the next schedule() can already build on them (rejected drafts roll back later).
         for req_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.has_encoder_inputs:
+                self._free_encoder_inputs(request)
         self.finished_req_ids = set()
         return scheduler_output
 
@@ -252,6 +320,76 @@ class Scheduler:
         num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - num_computed_tokens)
         # END TASK
         return num_new_tokens
+
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, encoder_compute_budget: int
+    ) -> tuple[list[int], int, int]:
+        """Which of the request's images this step must encode, and how far its chunk may go.
+
+        The chunk is positions `[num_computed_tokens, num_computed_tokens + num_new_tokens)`.
+        An image whose positions overlap it is needed, unless it is computed already (its
+        positions are behind the chunk), cached (`check_and_update_cache`, which makes the
+        request refer to it) or already chosen in this call. A needed image is encoded
+        whole, so it must fit the remaining compute budget and the cache
+        (`EncoderCacheManager.can_allocate`); if it does not, the chunk is cut to end just
+        before the image, and to nothing if it starts inside it (a prefix-cache hit can
+        land there). With `disable_chunked_mm_input`, the chunk is also cut before any
+        image it would cover only in part, cached or not (vLLM v0.11.0 lets a cached one
+        be split).
+
+        Returns (input ids to encode, num_new_tokens, the budget left after them).
+        """
+        encoder_inputs_to_schedule: list[int] = []
+        # BEGIN TASK ch11_t1: per image: skip done or cached ones, cut the chunk before one not encodable now
+        mm_hashes_to_schedule: set[str] = set()
+        num_tokens_to_schedule = 0
+        for i, mm_feature in enumerate(request.mm_features):
+            start_pos = mm_feature.mm_position.offset
+            num_encoder_tokens = mm_feature.mm_position.length
+            if start_pos >= num_computed_tokens + num_new_tokens:
+                break  # this image, and every later one, lies beyond the chunk
+            if start_pos + num_encoder_tokens <= num_computed_tokens:
+                continue  # its positions are in the KV cache already
+            if (
+                self.disable_chunked_mm_input
+                and num_computed_tokens < start_pos
+                and num_computed_tokens + num_new_tokens < start_pos + num_encoder_tokens
+            ):
+                num_new_tokens = start_pos - num_computed_tokens  # stop before an image taken in part
+                break
+            if mm_feature.identifier in mm_hashes_to_schedule:
+                continue  # the same image earlier in this prompt: encoded once
+            if self.encoder_cache_manager.check_and_update_cache(request, i):
+                continue  # encoded in an earlier step (maybe for another request)
+            if not self.encoder_cache_manager.can_allocate(
+                request, i, encoder_compute_budget, num_tokens_to_schedule
+            ):
+                # Only the text before the image, and nothing if the chunk starts inside it.
+                num_new_tokens = max(start_pos - num_computed_tokens, 0)
+                break
+            num_tokens_to_schedule += num_encoder_tokens
+            encoder_compute_budget -= num_encoder_tokens
+            mm_hashes_to_schedule.add(mm_feature.identifier)
+            encoder_inputs_to_schedule.append(i)
+        # END TASK
+        return encoder_inputs_to_schedule, num_new_tokens, encoder_compute_budget
+
+    def _allocate_encoder_inputs(
+        self, request: Request, input_ids: list[int], scheduled_encoder_inputs: dict[str, list[int]]
+    ) -> None:
+        """Record the request's images encoded this step and reserve their cache space."""
+        scheduled_encoder_inputs[request.request_id] = input_ids
+        for input_id in input_ids:
+            self.encoder_cache_manager.allocate(request, input_id)
+
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """Drop the request's references to images whose positions are all computed now:
+        their KV is in the cache, and the decoder never reads their encoder output again."""
+        num_computed_tokens = request.num_computed_tokens
+        for input_id in self.encoder_cache_manager.get_cached_input_ids(request):
+            position = request.mm_features[input_id].mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, input_id)
 
     def _pick_preemption_victim(self) -> Request:
         if self.policy == "priority":

@@ -13,18 +13,20 @@ from nano_v1.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """Set a finished status on `request` and return True if its last token ends it."""
-    # BEGIN TASK ch04_t1: length cap first; after min_tokens, stop on EOS or a stop token id
-    output_token_ids = request.output_token_ids
-    num_output_tokens = len(output_token_ids)
-    max_tokens = request.max_tokens
-    if request.num_tokens >= max_model_len or (max_tokens is not None and num_output_tokens >= max_tokens):
+    """Set a finished status on `request` and return True if its last token ends it.
+
+    `min_tokens` is not checked here: the sampler's `MinTokensLogitsProcessor` never lets
+    a request sample a stop token before its minimum, so one here is a real stop (as in
+    vLLM v0.11.0).
+    """
+    # BEGIN TASK ch04_t1: the length caps come first; then EOS (unless ignored) or a stop token id
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     params = request.sampling_params
-    if num_output_tokens < params.min_tokens:
-        return False
-    last_token_id = output_token_ids[-1]
+    last_token_id = request.output_token_ids[-1]
     if not params.ignore_eos and last_token_id == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
         return True

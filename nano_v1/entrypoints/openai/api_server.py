@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nano_v1.engine import EngineDeadError
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
+from nano_v1.entrypoints.chat_utils import parse_chat_messages
 from nano_v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -88,11 +89,18 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    tokenizer = engine_client(raw_request).get_tokenizer()
+    engine = engine_client(raw_request)
+    tokenizer = engine.get_tokenizer()
     if tokenizer is None or tokenizer.chat_template is None:
         return error_response(HTTPStatus.BAD_REQUEST, "this model has no chat template; use /v1/completions.")
-    messages = [m.model_dump() for m in request.messages]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        # Images (chapter 11) become placeholders in the text and the prompt's multi_modal_data.
+        conversation, images = parse_chat_messages(request.messages, engine.vllm_config.model_config)
+    except ValueError as e:
+        return error_response(HTTPStatus.BAD_REQUEST, str(e))
+    prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if images:
+        prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
     return await _serve(request, raw_request, prompt, chat=True)
 
 

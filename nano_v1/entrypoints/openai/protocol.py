@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -95,9 +95,28 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str  # a data: URL; nano_v1 fetches nothing (chapter 11)
+
+
+class ChatCompletionContentPartTextParam(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionContentPartImageParam(OpenAIBaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ChatCompletionContentPartParam = Annotated[
+    ChatCompletionContentPartTextParam | ChatCompletionContentPartImageParam, Field(discriminator="type")
+]
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str
+    content: str | list[ChatCompletionContentPartParam]
 
 
 class ChatCompletionRequest(SamplingRequest):

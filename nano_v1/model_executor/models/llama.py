@@ -32,6 +32,7 @@ from nano_v1.model_executor.layers.linear import (
 from nano_v1.model_executor.layers.logits_processor import LogitsProcessor
 from nano_v1.model_executor.layers.rotary_embedding import get_rope
 from nano_v1.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from nano_v1.model_executor.model_loader import load_stacked_weights
 
 
 def get_rope_config(config: PretrainedConfig) -> tuple[float, dict | None]:
@@ -145,8 +146,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # [num_tokens, hidden_size]. A multimodal model's runner passes the embeddings, with
+        # the images' merged in (chapter 11).
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
@@ -178,9 +183,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`input_ids`, `positions`: `[num_tokens]` -> hidden states `[num_tokens, hidden_size]`."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`input_ids`, `positions`: `[num_tokens]` (or, instead of the ids, `inputs_embeds`:
+        `[num_tokens, hidden_size]`) -> hidden states `[num_tokens, hidden_size]`."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[num_tokens] -> [num_tokens, hidden_size]`: the token embeddings `forward` would start from."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[num_rows, hidden_size]` -> float32 logits `[num_rows, vocab_size]`."""
@@ -188,31 +200,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; return the names of the parameters loaded."""
-        params = dict(self.named_parameters())
         tied = getattr(self.config, "tie_word_embeddings", False)
-        loaded: set[str] = set()
-        for name, loaded_weight in weights:
+
+        def skip(name: str) -> bool:
             # Hugging Face may save RoPE's inverse frequencies; ours are recomputed. A tied
             # head has no parameter of its own.
-            if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
-                continue
-            param_name, shard_id = name, None
-            for fused_name, checkpoint_name, fused_shard in self.stacked_params_mapping:
-                if checkpoint_name in name:
-                    param_name, shard_id = name.replace(checkpoint_name, fused_name), fused_shard
-                    break
-            if param_name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}; "
-                    "is the checkpoint's config.json the one it was saved with?"
-                )
-            param = params[param_name]
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, loaded_weight)
-                else:
-                    param.weight_loader(param, loaded_weight, shard_id)
-            except ValueError as e:
-                raise ValueError(f"cannot load checkpoint tensor {name!r} into {param_name!r}: {e}") from None
-            loaded.add(param_name)
-        return loaded
+            return "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head."))
+
+        return load_stacked_weights(self, weights, self.stacked_params_mapping, skip)
