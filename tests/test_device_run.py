@@ -32,8 +32,14 @@ def test_a_smoke_run_writes_every_part_into_at_most_eight_files(tmp_path):
     report = device_run.run(out, smoke=True, notebooks=["02_paged_kv_cache"], measurements=["ceilings"])
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= MAX_FILES_BACK and all(p.is_file() for p in out.iterdir())
-    assert files == ["device_run.json", "device_run.log", "device_run.tar.gz", "gpu_suite.json", "gpu_suite.log",
-                     "nvidia_smi.txt"]
+    assert files == [
+        "device_run.json",
+        "device_run.log",
+        "device_run.tar.gz",
+        "gpu_suite.json",
+        "gpu_suite.log",
+        "nvidia_smi.txt",
+    ]
     assert json.loads((out / "device_run.json").read_text()) == report
     env = report["environment"]
     assert env["python"] and env["torch"] and env["transformers"] and env["numpy"] and "triton" in env
@@ -52,9 +58,12 @@ def test_a_smoke_run_writes_every_part_into_at_most_eight_files(tmp_path):
 
 
 def test_a_part_past_its_cap_is_killed_and_the_run_goes_on(tmp_path, monkeypatch):
-    hang = device_run.Part("hang", [sys.executable, "-c", "import subprocess, sys, time; "
-                                    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-                                    "print('started', flush=True); time.sleep(60)"], cap_s=2.0)
+    script = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('started', flush=True); time.sleep(60)"
+    )
+    hang = device_run.Part("hang", [sys.executable, "-c", script], cap_s=2.0)
     after = device_run.Part("after", [sys.executable, "-c", "print('ran')"], cap_s=30.0)
     monkeypatch.setattr(device_run, "parts", lambda *args: [hang, after])
     report = device_run.run(tmp_path, notebooks=[])
@@ -68,7 +77,15 @@ def test_the_budgets_fit_a_gpu_session(tmp_path):
     # and pytest; the suite's caps add up to its own budget.
     assert sum(m.cap_s for m in MEASUREMENTS.values()) == DEFAULT_TIME_BUDGET_S
     suite, pytest_gpu = device_run.parts(tmp_path, False, False, [], None)
-    assert suite.cap_s + pytest_gpu.cap_s + 2 * device_run.NOTEBOOK_CAP_S <= device_run.TIME_BUDGET_S <= 9 * 60
+    assert (
+        suite.cap_s + pytest_gpu.cap_s + 2 * device_run.NOTEBOOK_CAP_S <= device_run.TIME_BUDGET_S <= 9 * 60
+    )
+
+
+def test_every_notebook_is_run():
+    # A notebook left out of NOTEBOOKS would never have its GPU branch run.
+    on_disk = sorted(p.stem for p in (device_run.REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+    assert sorted(device_run.NOTEBOOKS) == on_disk
 
 
 def test_notebook_files_go_to_the_directory_given_at_any_size(tmp_path, monkeypatch):

@@ -38,7 +38,11 @@ KNOWN_SPILLS = {("_unified_attention_kernel", "fp32", "128", "32")}
 
 def spill_key(variant: dict) -> tuple[str, str, str, str]:
     constexprs = variant["constexprs"]
-    dtype = next(t.removeprefix("*") for name, t in variant["signature"].items() if name.startswith(("q_", "key_", "output_")))
+    dtype = next(
+        t.removeprefix("*")
+        for name, t in variant["signature"].items()
+        if name.startswith(("q_", "key_", "output_"))
+    )
     return variant["kernel"], dtype, constexprs["HEAD_SIZE"], constexprs.get("TILE_SIZE", "-")
 
 
@@ -47,8 +51,14 @@ def variants(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     # Compiled, not interpreted: the interpreter's kernels are not what Triton compiles.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "triton_aot.py"), str(out)],
-                            env=env, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "triton_aot.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())["variants"]
 
@@ -73,5 +83,9 @@ def test_every_variant_fits_hopper(variants):
 
 def test_no_variant_spills_but_the_known_ones(variants):
     spilling = {spill_key(v) for v in variants if v["stack_bytes"] or v["local_bytes"]}
-    assert spilling - KNOWN_SPILLS == set(), f"(kernel, dtype, head size, tile) that spill: {spilling - KNOWN_SPILLS}"
-    assert KNOWN_SPILLS <= spilling, f"no longer spill, drop them from KNOWN_SPILLS: {KNOWN_SPILLS - spilling}"
+    assert spilling - KNOWN_SPILLS == set(), (
+        f"(kernel, dtype, head size, tile) that spill: {spilling - KNOWN_SPILLS}"
+    )
+    assert KNOWN_SPILLS <= spilling, (
+        f"no longer spill, drop them from KNOWN_SPILLS: {KNOWN_SPILLS - spilling}"
+    )

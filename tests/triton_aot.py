@@ -33,15 +33,15 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from nano_v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder  # noqa: E402
-from nano_v1.benchmarks.cascade import AttentionShape, shared_prefix_metadata  # noqa: E402
-from nano_v1.benchmarks.roofline import ModelShape  # noqa: E402
-from nano_v1.benchmarks.utils import CONFIGS_DIR, TINY_QWEN3_SHAPE  # noqa: E402
-from nano_v1.demo_model import DEMO_MODEL_PATH  # noqa: E402
+from nano_v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder
+from nano_v1.benchmarks.cascade import AttentionShape, shared_prefix_metadata
+from nano_v1.benchmarks.roofline import ModelShape
+from nano_v1.benchmarks.utils import CONFIGS_DIR, TINY_QWEN3_SHAPE
+from nano_v1.demo_model import DEMO_MODEL_PATH
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # The dtypes an engine runs attention in: bfloat16 (every shipped config and the demo model) and
@@ -55,8 +55,13 @@ DTYPES = (torch.bfloat16, torch.float32)
 STEPS = (("decode", 1, 0), ("chunk", 16, 0), ("cascade-decode", 1, 256), ("cascade-chunk", 16, 256))
 NUM_REQS = 8
 SUFFIX_LEN = 64
-_TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-               torch.int64: "i64"}
+_TYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -90,8 +95,10 @@ class _Recorder:
 
 
 def kernel_modules() -> list[Any]:
-    return [importlib.import_module(f"nano_v1.attention.ops.{p.stem}")
-            for p in sorted((REPO_ROOT / "nano_v1" / "attention" / "ops").glob("triton_*.py"))]
+    return [
+        importlib.import_module(f"nano_v1.attention.ops.{p.stem}")
+        for p in sorted((REPO_ROOT / "nano_v1" / "attention" / "ops").glob("triton_*.py"))
+    ]
 
 
 def record_launches() -> list[tuple[Launch, str]]:
@@ -107,7 +114,9 @@ def record_launches() -> list[tuple[Launch, str]]:
     seen: dict[Launch, str] = {}
     try:
         for shape in attention_shapes():
-            impl = FlashAttentionImpl(shape.num_heads, shape.head_size, shape.head_size**-0.5, shape.num_kv_heads)
+            impl = FlashAttentionImpl(
+                shape.num_heads, shape.head_size, shape.head_size**-0.5, shape.num_kv_heads
+            )
             builder = FlashAttentionMetadataBuilder(meta)
             for dtype in DTYPES:
                 for step, query_len, prefix_len in STEPS:
@@ -116,12 +125,23 @@ def record_launches() -> list[tuple[Launch, str]]:
                     num_blocks = 256 // shape.block_size + NUM_REQS * -(-SUFFIX_LEN // shape.block_size)
                     q = torch.empty(num_tokens, shape.num_heads, shape.head_size, dtype=dtype, device=meta)
                     k = torch.empty(num_tokens, shape.num_kv_heads, shape.head_size, dtype=dtype, device=meta)
-                    kv_cache = torch.empty(2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_size,
-                                           dtype=dtype, device=meta)
+                    kv_cache = torch.empty(
+                        2,
+                        num_blocks,
+                        shape.block_size,
+                        shape.num_kv_heads,
+                        shape.head_size,
+                        dtype=dtype,
+                        device=meta,
+                    )
                     launches.clear()
-                    impl.forward(None, q, k, k, kv_cache, builder.build(prefix_len, common), torch.empty_like(q))
-                    where = (f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_size}, "
-                             f"{_TYPE_NAMES[dtype]}, {step}")
+                    impl.forward(
+                        None, q, k, k, kv_cache, builder.build(prefix_len, common), torch.empty_like(q)
+                    )
+                    where = (
+                        f"heads {shape.num_heads}/{shape.num_kv_heads} x {shape.head_size}, "
+                        f"{_TYPE_NAMES[dtype]}, {step}"
+                    )
                     for kernel, args, kwargs in launches:
                         seen.setdefault(as_launch(kernel, args, kwargs), where)
     finally:
@@ -147,7 +167,9 @@ def as_launch(kernel, args: tuple, kwargs: dict) -> Launch:
     for name, value in kwargs.items():
         if name not in options:
             signature[name], constexprs[name] = "constexpr", value
-    return Launch(kernel.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+    return Launch(
+        kernel.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items())
+    )
 
 
 def compile_for_hopper(launch: Launch) -> dict[str, Any]:
@@ -158,8 +180,12 @@ def compile_for_hopper(launch: Launch) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="nano_v1_aot_") as work:
         cubin = Path(work) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "-res-usage", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     fields = dict(re.findall(r"([A-Z]+):(\d+)", usage.split(f"Function {compiled.metadata.name}:")[1]))
     return {
         "registers": int(fields["REG"]),
@@ -176,11 +202,19 @@ def main(out: str) -> None:
     results = []
     for launch, where in record_launches():
         constexprs = {k: str(v) for k, v in launch.constexprs}
-        results.append({"kernel": launch.kernel, "first_seen": where, "constexprs": constexprs,
-                        "signature": dict(launch.signature), **compile_for_hopper(launch)})
+        results.append(
+            {
+                "kernel": launch.kernel,
+                "first_seen": where,
+                "constexprs": constexprs,
+                "signature": dict(launch.signature),
+                **compile_for_hopper(launch),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
-    Path(out).write_text(json.dumps({"triton": triton.__version__, "target": asdict(HOPPER),
-                                     "variants": results}, indent=2))
+    Path(out).write_text(
+        json.dumps({"triton": triton.__version__, "target": asdict(HOPPER), "variants": results}, indent=2)
+    )
 
 
 if __name__ == "__main__":

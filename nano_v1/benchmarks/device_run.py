@@ -54,9 +54,20 @@ TIME_BUDGET_S = 540.0
 VERSIONS = ("torch", "triton", "transformers", "numpy")
 # Notebooks in the order they run: first those whose GPU branch no run has proved yet (two
 # engines alive at once: 03, 08, 10; engines built one after another: 01, 02, 04), then the rest.
-NOTEBOOKS = ("03_prefix_caching", "08_cuda_graphs", "10_spec_decode", "01_model", "02_paged_kv_cache",
-             "04_scheduler", "00_why_v1", "05_persistent_batch", "06_attention_backend",
-             "07_cascade_attention", "09_processes")
+NOTEBOOKS = (
+    "03_prefix_caching",
+    "08_cuda_graphs",
+    "10_spec_decode",
+    "01_model",
+    "02_paged_kv_cache",
+    "04_scheduler",
+    "00_why_v1",
+    "05_persistent_batch",
+    "06_attention_backend",
+    "07_cascade_attention",
+    "09_processes",
+    "11_multimodal",
+)
 # Packages a notebook needs beyond the GPU image's: 09 starts engine-core processes (ZMQ, msgpack).
 NOTEBOOK_NEEDS = {"09_processes": ("zmq", "msgspec")}
 NOTEBOOK_CAP_S = 60.0  # one notebook at smoke sizes: start-up, compiled engines, its own sweeps
@@ -72,17 +83,35 @@ class Part:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def parts(work: Path, smoke: bool, full_notebooks: bool, notebooks: list[str],
-          measurements: list[str] | None) -> list[Part]:
+def parts(
+    work: Path, smoke: bool, full_notebooks: bool, notebooks: list[str], measurements: list[str] | None
+) -> list[Part]:
     """The child processes of a run, in order. `work` is the scratch directory the bundle is made of."""
     python = sys.executable
     suite = [python, "-m", "nano_v1.benchmarks.gpu_suite", "--out", str(work / "gpu_suite")]
     suite += (["--smoke"] if smoke else []) + (["--only", *measurements] if measurements else [])
     steps = [Part("gpu_suite", suite, DEFAULT_TIME_BUDGET_S + 20)]
-    steps.append(Part("pytest_gpu", [python, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                                     f"--junitxml={work / 'pytest_gpu.xml'}"], 90.0))
+    steps.append(
+        Part(
+            "pytest_gpu",
+            [
+                python,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={work / 'pytest_gpu.xml'}",
+            ],
+            90.0,
+        )
+    )
     # Notebooks write their figures and data into `work`, at smoke sizes unless asked for the full ones.
-    notebook_env = {"NANO_V1_FIGURES_DIR": str(work / "notebooks"), "NANO_V1_SMOKE": "0" if full_notebooks else "1"}
+    notebook_env = {
+        "NANO_V1_FIGURES_DIR": str(work / "notebooks"),
+        "NANO_V1_SMOKE": "0" if full_notebooks else "1",
+    }
     for name in notebooks:
         path = REPO_ROOT / "notebooks" / f"{name}.py"
         cap_s = 4 * NOTEBOOK_CAP_S if full_notebooks else NOTEBOOK_CAP_S
@@ -94,8 +123,13 @@ def child_env() -> dict[str, str]:
     """The environment of every part: this checkout first on the path, output unbuffered, nothing
     downloaded, no display, engine cores in-process (the GPU image has no pyzmq)."""
     env = dict(os.environ)
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        MPLBACKEND="Agg",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
     return env
 
 
@@ -111,7 +145,7 @@ def environment(nvidia_smi_path: Path) -> dict[str, Any]:
     if smi is None:
         nvidia_smi_path.write_text("nvidia-smi: not found (no NVIDIA driver on this machine)\n")
     else:
-        result = subprocess.run([smi], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([smi], check=False, capture_output=True, text=True, timeout=30)
         nvidia_smi_path.write_text(result.stdout + result.stderr)
     return {**versions, "nvidia_smi": smi is not None, "platform": platform.platform()}
 
@@ -120,8 +154,15 @@ def run_part(part: Part, cap_s: float, env: dict[str, str], log: TextIO, cwd: Pa
     """Run one part, its output copied to ours and to `log` line by line; kill its process group at `cap_s`."""
     start = time.perf_counter()
     print(f"=== [{part.name}] {' '.join(part.command)} (cap {cap_s:.0f} s)", flush=True)
-    child = subprocess.Popen(part.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**env, **part.env}, cwd=cwd, start_new_session=True)
+    child = subprocess.Popen(
+        part.command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**env, **part.env},
+        cwd=cwd,
+        start_new_session=True,
+    )
 
     def copy_output() -> None:
         for line in child.stdout:
@@ -139,8 +180,13 @@ def run_part(part: Part, cap_s: float, env: dict[str, str], log: TextIO, cwd: Pa
     reader.join(timeout=10)
     elapsed = time.perf_counter() - start
     print(f"=== [{part.name}] {status} (exit code {returncode}) in {elapsed:.1f} s", flush=True)
-    return {"command": part.command, "cap_s": cap_s, "status": status, "returncode": returncode,
-            "elapsed_s": elapsed}
+    return {
+        "command": part.command,
+        "cap_s": cap_s,
+        "status": status,
+        "returncode": returncode,
+        "elapsed_s": elapsed,
+    }
 
 
 def missing_packages(part: Part) -> list[str]:
@@ -148,15 +194,28 @@ def missing_packages(part: Part) -> list[str]:
     return [p for p in NOTEBOOK_NEEDS.get(notebook, ()) if importlib.util.find_spec(p) is None]
 
 
-def run(out: Path, smoke: bool = False, full_notebooks: bool = False, notebooks: list[str] | None = None,
-        measurements: list[str] | None = None, time_budget_s: float = TIME_BUDGET_S) -> dict[str, Any]:
+def run(
+    out: Path,
+    smoke: bool = False,
+    full_notebooks: bool = False,
+    notebooks: list[str] | None = None,
+    measurements: list[str] | None = None,
+    time_budget_s: float = TIME_BUDGET_S,
+) -> dict[str, Any]:
     """Every part within the budget; $OUT gets the report, the log, nvidia-smi, the suite's files and the bundle."""
     out.mkdir(parents=True, exist_ok=True)
     run_start = time.perf_counter()
-    report: dict[str, Any] = {"benchmark": NAME, "smoke": smoke, "full_notebooks": full_notebooks,
-                              "time_budget_s": time_budget_s, "parts": {}}
-    with tempfile.TemporaryDirectory(prefix="nano_v1_device_") as scratch, \
-            open(out / f"{NAME}.log", "w") as log:
+    report: dict[str, Any] = {
+        "benchmark": NAME,
+        "smoke": smoke,
+        "full_notebooks": full_notebooks,
+        "time_budget_s": time_budget_s,
+        "parts": {},
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="nano_v1_device_") as scratch,
+        open(out / f"{NAME}.log", "w") as log,
+    ):
         work = Path(scratch)
         (work / "logs").mkdir()
         start = time.perf_counter()
@@ -187,7 +246,9 @@ def run(out: Path, smoke: bool = False, full_notebooks: bool = False, notebooks:
             bundle.add(work, arcname=NAME)
     report["elapsed_s"] = time.perf_counter() - run_start
     (out / f"{NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"=== {NAME}: {len(report['parts'])} parts in {report['elapsed_s']:.1f} s; wrote {sorted(os.listdir(out))}")
+    print(
+        f"=== {NAME}: {len(report['parts'])} parts in {report['elapsed_s']:.1f} s; wrote {sorted(os.listdir(out))}"
+    )
     return report
 
 
@@ -204,20 +265,44 @@ class _Tee:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nano_v1.benchmarks.device_run",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="where the files to bring back go (the device tool's $OUT)")
-    parser.add_argument("--smoke", action="store_true", help="the suite at smoke sizes: runs on a CPU (tests)")
-    parser.add_argument("--full-notebooks", action="store_true",
-                        help="the notebooks at their GPU sizes (minutes each: pass --notebooks too)")
-    parser.add_argument("--notebooks", nargs="*", default=None, metavar="NN_NAME",
-                        help=f"which notebooks, in this order (default: all, {' '.join(NOTEBOOKS)})")
-    parser.add_argument("--measurements", nargs="+", default=None, metavar="NAME",
-                        help="only these measurements of the GPU suite (its --only)")
-    parser.add_argument("--time-budget-s", type=float, default=TIME_BUDGET_S,
-                        help=f"the whole run (default {TIME_BUDGET_S:.0f} s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m nano_v1.benchmarks.device_run", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--out", required=True, help="where the files to bring back go (the device tool's $OUT)"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="the suite at smoke sizes: runs on a CPU (tests)"
+    )
+    parser.add_argument(
+        "--full-notebooks",
+        action="store_true",
+        help="the notebooks at their GPU sizes (minutes each: pass --notebooks too)",
+    )
+    parser.add_argument(
+        "--notebooks",
+        nargs="*",
+        default=None,
+        metavar="NN_NAME",
+        help=f"which notebooks, in this order (default: all, {' '.join(NOTEBOOKS)})",
+    )
+    parser.add_argument(
+        "--measurements",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="only these measurements of the GPU suite (its --only)",
+    )
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=TIME_BUDGET_S,
+        help=f"the whole run (default {TIME_BUDGET_S:.0f} s)",
+    )
     args = parser.parse_args(argv)
-    run(Path(args.out), args.smoke, args.full_notebooks, args.notebooks, args.measurements, args.time_budget_s)
+    run(
+        Path(args.out), args.smoke, args.full_notebooks, args.notebooks, args.measurements, args.time_budget_s
+    )
 
 
 if __name__ == "__main__":
