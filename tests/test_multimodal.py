@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,10 +67,12 @@ def hf_greedy(
     path: str, prompts: list[tuple[list[int], list]], max_new_tokens: int = MAX_NEW
 ) -> list[list[int]]:
     """transformers' greedy tokens for (prompt with one image token per image, images) pairs."""
-    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+    import transformers
 
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(path)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    # The class the checkpoint names (transformers 5.17's AutoImageProcessor needs torchvision).
+    config = json.loads((Path(path) / "preprocessor_config.json").read_text())
+    processor = getattr(transformers, config["image_processor_type"]).from_pretrained(path)
     image_token = image_token_id(path)
     outputs = []
     with torch.no_grad():
