@@ -89,9 +89,12 @@ def run(arrivals: list[tuple[int, list[int], int]], budget: int, chunked: bool) 
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
             core.add_request(nb.core_request(str(i), prompt, params))
             arrival_time[i] = time.perf_counter() - start
+        num_scheduled_before = len(scheduled)
         outputs = core.step().outputs
         now = time.perf_counter() - start
         step_end.append(now)
+        if len(scheduled) == num_scheduled_before:  # nothing was waiting or running: an idle step
+            scheduled.append({})
         for out in outputs:
             token_times.setdefault(int(out.request_id), []).extend([now] * len(out.new_token_ids))
         step += 1
@@ -185,7 +188,29 @@ plt.show()
 # its first token: with n = ceil(P / (B - D)), TTFT ~ n x a + b x (P + n x D). Each step also holds
 # up the decoders: their ITL during a prefill is a + b x B, against a + b x D otherwise.
 # So TTFT falls with the budget until one step holds the whole prompt, and the ITL
-# during a prefill rises in proportion to it. We fit a and b from the measured steps below.
+# during a prefill rises in proportion to it. We fit a and b on the steps of the two
+# runs above (a different workload: eight prompts of 24-500 tokens), and predict the sweep
+# from them before running it.
+
+# %%
+calibration_tokens = np.concatenate([[sum(s.values()) for s in r["scheduled"]] for r in gantt.values()])
+calibration_steps = np.concatenate([np.diff([0.0] + r["step_end"]) for r in gantt.values()])
+busy = calibration_tokens > 0  # idle steps (waiting for an arrival) ran no model
+b_s, a_s = np.polyfit(calibration_tokens[busy], calibration_steps[busy], 1)
+print(f"fitted on {busy.sum()} steps of the runs above: "
+      f"step ~ {a_s * 1e3:.2f} ms + {b_s * 1e6:.1f} µs x tokens")
+predicted = {}
+for budget in BUDGETS:
+    n = -(-LONG_PROMPT // (budget - NUM_DECODERS))  # steps to the first token, with D decodes in each
+    predicted[budget] = {
+        "ttft_ms": 1e3 * (n * a_s + b_s * (LONG_PROMPT + n * NUM_DECODERS)),
+        "itl_prefill_ms": 1e3 * (a_s + b_s * min(budget, LONG_PROMPT + NUM_DECODERS)),
+    }
+    print(f"budget {budget:>5}: predicted TTFT {predicted[budget]['ttft_ms']:8.1f} ms, "
+          f"ITL in a prompt's largest chunk {predicted[budget]['itl_prefill_ms']:7.1f} ms")
+
+# %% [markdown]
+# Now the measurement.
 
 # %%
 decoders = [(0, rng.integers(0, 4096, 16).tolist(), DECODE_LEN) for _ in range(NUM_DECODERS)]
@@ -235,22 +260,6 @@ for key, r in results.items():
     )
 
 # %% [markdown]
-# The step-cost model, fitted on every measured step (least squares over all runs):
-
-# %%
-all_tokens = np.concatenate([r["step_tokens"] for r in results.values()])
-all_steps = np.concatenate([r["step_s"] for r in results.values()])
-b_s, a_s = np.polyfit(all_tokens, all_steps, 1)
-print(f"step ~ {a_s * 1e3:.2f} ms + {b_s * 1e6:.1f} µs x tokens")
-predicted = {}
-for budget in BUDGETS:
-    n = -(-LONG_PROMPT // (budget - NUM_DECODERS))  # steps to the first token, with D decodes in each
-    predicted[budget] = {
-        "ttft_ms": 1e3 * (n * a_s + b_s * (LONG_PROMPT + n * NUM_DECODERS)),
-        "itl_prefill_ms": 1e3 * (a_s + b_s * min(budget, LONG_PROMPT + NUM_DECODERS)),
-    }
-
-# %% [markdown]
 # ## Plot: the trade, in milliseconds
 
 # %%
@@ -258,7 +267,7 @@ on = [results[f"on/{b}"] for b in BUDGETS]
 off = results["off"]
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
 axes[0].plot(BUDGETS, [r["ttft_ms"] for r in on], "o-", label="chunked prefill on")
-axes[0].plot(BUDGETS, [predicted[b]["ttft_ms"] for b in BUDGETS], "k--", label="a + b·tokens model")
+axes[0].plot(BUDGETS, [predicted[b]["ttft_ms"] for b in BUDGETS], "k--", label="a + b·tokens, predicted")
 axes[0].axhline(off["ttft_ms"], color="C3", ls=":", label=f"chunked prefill off (budget {MAX_MODEL_LEN})")
 axes[0].set(
     xscale="log",
@@ -274,7 +283,7 @@ axes[1].plot(
     BUDGETS,
     [predicted[b]["itl_prefill_ms"] for b in BUDGETS],
     "k--",
-    label="in a prompt's largest chunk, a + b·tokens model",
+    label="in a prompt's largest chunk, a + b·tokens, predicted",
 )
 axes[1].axhline(off["itl_prefill_ms"], color="C3", ls=":", label="in a prompt's step, chunked off")
 axes[1].set(

@@ -25,7 +25,7 @@
 # 4. measures how `max_num_encoder_input_tokens` moves time to first token.
 #
 # The model is a random LLaVA written by `write_tiny_llava`, with LLaVA-1.5's image grid
-# (336-pixel images in 14-pixel patches: 576 positions per image) and GOALS.md's tiny
+# (336-pixel images in 14-pixel patches: 576 positions per image) and the tiny (5.2M-parameter)
 # Qwen3 as its decoder; nothing is downloaded.
 
 # %%

@@ -166,3 +166,19 @@ def test_patterns_pick_out_what_chapters_write():
     assert FIGURE_RE.findall(text) == ["figures/02_x.png", "figures/data/02_x.json"]
     assert NOTEBOOK_RE.findall(text) == ["notebooks/02_paged_kv_cache.py"]
     assert expand_braces("a/{b,c}.py") == ["a/b.py", "a/c.py"]
+
+
+def test_no_reader_facing_file_cites_the_developers_notes():
+    """Chapters, notebooks, the package and README are read without the project's internal
+    notes (goals, map, style guide): they must state numbers and names themselves."""
+    internal = re.compile(r"GOALS\.md|STYLE\.md|MAP\.md|\.\./shared")
+    files = [REPO_ROOT / "README.md", *CHAPTERS]
+    for folder, pattern in (("nano_v1", "*.py"), ("notebooks", "*.py")):
+        files += sorted((REPO_ROOT / folder).rglob(pattern))
+    cited = [
+        f"{path.relative_to(REPO_ROOT)}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if internal.search(line)
+    ]
+    assert not cited, "files a reader has cite notes a reader does not have:\n" + "\n".join(cited)

@@ -274,6 +274,24 @@ def test_scheduler_with_random_drafts_keeps_kv_exact(seed, block_size, budget, m
         assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens)
 
 
+def test_empty_output_for_drafts_rolls_the_whole_step_back():
+    """v0.11.0's arithmetic when the runner returns no token for a request with drafts:
+    num_accepted = -1, so the drafts and the token before them are scheduled again."""
+    sched = make_scheduler(16, 4, budget=64, max_seqs=2, max_model_len=64, caching=False, num_spec_tokens=3)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), None)
+    sched.add_request(req)
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput(["a"], {"a": 0}, [[10]]))
+    sched.update_draft_token_ids(DraftTokenIds(["a"], [[11, 12, 13]]))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 4} and req.num_computed_tokens == 7
+    out = sched.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[]]))
+    assert req.num_computed_tokens == 3 and req.output_token_ids == [10]
+    assert not out.outputs
+    assert out.scheduler_stats is None or out.scheduler_stats.spec_decoding_stats is None
+    so = sched.schedule()  # the sampled token and the same drafts, verified again
+    assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+
+
 def test_rejected_drafts_roll_back_and_their_slots_are_reused():
     block_size = 4
     sched = make_scheduler(16, block_size, budget=64, max_seqs=2, max_model_len=64, caching=True, num_spec_tokens=5)

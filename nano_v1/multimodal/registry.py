@@ -1,6 +1,7 @@
 """Which processor turns a model's images into placeholder tokens and encoder inputs.
 
-Mirrors vllm/multimodal/registry.py (`MultiModalRegistry`, `MULTIMODAL_REGISTRY`) (chapter 11).
+Mirrors vllm/multimodal/registry.py (`MultiModalRegistry`) and vllm/multimodal/__init__.py
+(`MULTIMODAL_REGISTRY`) (chapter 11).
 
 Why it exists: the engine is model-agnostic, but how many positions an image takes and
 how its pixels are prepared depend on the model. Each multimodal model class registers a

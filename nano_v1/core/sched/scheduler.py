@@ -441,12 +441,15 @@ class Scheduler:
             if spec_tokens and req_id in spec_tokens:
                 # k drafts scheduled, len(new) - 1 accepted. schedule() counted all k as
                 # computed; the rejected ones' KV slots will be overwritten by later tokens.
+                # An empty output (the runner discarded the step's sample) gives -1: the
+                # drafts and the token before them are computed again, as in v0.11.0.
                 num_draft_tokens = len(spec_tokens[req_id])
                 num_accepted = len(new_token_ids) - 1
                 request.num_computed_tokens -= num_draft_tokens - num_accepted
-                if spec_decoding_stats is None:
-                    spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
-                spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
+                if new_token_ids:  # v0.11.0 also records the -1 as "accepted"; we count no draft
+                    if spec_decoding_stats is None:
+                        spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+                    spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
             if not new_token_ids:
                 continue  # a prefill chunk that has not reached the last prompt token
 
