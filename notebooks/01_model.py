@@ -42,7 +42,7 @@ from nano_v1.benchmarks.throughput import (
     run_generate_batch,
     run_nano_v1,
 )
-from nano_v1.benchmarks.utils import CONFIGS_DIR, sample_random_requests, write_tiny_qwen3
+from nano_v1.benchmarks.utils import CONFIGS_DIR, release_engines, sample_random_requests, write_tiny_qwen3
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.arg_utils import EngineArgs
 
@@ -177,6 +177,7 @@ rows = []
 for n, reqs in workloads.items():
     row = {"num_prompts": n, "ceiling": ceiling_tok_s[n]}
     row["nano_v1"] = run_nano_v1(engine_args, reqs).summary(0.0)["output_tokens_per_s"]
+    release_engines()  # nano_v1's engine is gone: its KV cache memory goes to transformers' next
     row["generate_batch"] = run_generate_batch(
         hf_model, reqs, CPU_HF_MAX_BATCH_TOKENS if not nb.ON_GPU else None
     ).summary(0.0)["output_tokens_per_s"]

@@ -32,9 +32,9 @@ import numpy as np
 
 from nano_v1 import LLM
 from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.cuda_graphs import CPU_MODES, measure_mode, release_engines
+from nano_v1.benchmarks.cuda_graphs import CPU_MODES, measure_mode
 from nano_v1.benchmarks.roofline import ModelShape
-from nano_v1.benchmarks.utils import CONFIGS_DIR, write_tiny_qwen3
+from nano_v1.benchmarks.utils import CONFIGS_DIR, release_engines, write_tiny_qwen3
 from nano_v1.compilation.counter import compilation_counter
 from nano_v1.config import CompilationConfig
 
@@ -70,6 +70,7 @@ engine_kwargs = {
 }
 if not nb.ON_GPU:
     engine_kwargs["kv_cache_memory_bytes"] = 64 << 20
+engine_kwargs.update(nb.gpu_memory_share(2))  # two engines alive at once
 eager_llm = LLM(**engine_kwargs, **CPU_MODES["eager"])
 traced_before = compilation_counter.num_graphs_seen
 start = time.perf_counter()

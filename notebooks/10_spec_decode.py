@@ -103,7 +103,9 @@ params = SamplingParams(temperature=0.0, max_tokens=nb.pick(cpu=96, gpu=96, smok
 texts, steps = {}, {}
 for k in (0, 3):
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    llm = LLM(max_model_len=512, dtype="float32", speculative_config=spec if k else None)
+    # The engine of k = 0 is still alive while that of k = 3 is built: two at once.
+    llm = LLM(max_model_len=512, dtype="float32", speculative_config=spec if k else None,
+              **nb.gpu_memory_share(2))
     with step_timing(llm) as timings:  # one StepTiming per engine step, recorded by the worker
         texts[k] = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
     steps[k] = len(timings)
@@ -112,6 +114,7 @@ assert texts[3] == texts[0], "speculation changed the greedy output"
 print(PROMPT + texts[3])
 print(f"\nsteps: {steps[0]} without speculation, {steps[3]} with k=3 ({steps[0] / steps[3]:.2f}x fewer); "
       f"acceptance rate {stats.acceptance_rate:.2f}, mean acceptance length {stats.mean_acceptance_length:.2f}")
+del llm  # the sweeps below build their own engines
 
 # %% [markdown]
 # ## Sampled output keeps the model's distribution
@@ -162,7 +165,8 @@ print(f"total variation from p: {0.5 * np.abs(empirical - p.numpy()).sum():.4f} 
 # the baseline's.
 
 # %%
-sweep = run_cpu_sweep(NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS, tuple(KS), tuple(LOOKUP_MAXES))
+sweep = run_cpu_sweep(NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS, tuple(KS), tuple(LOOKUP_MAXES),
+                      engine_overrides=nb.gpu_memory_share(2))
 print_report(sweep)
 assert all(r["identical_to_baseline"] for r in sweep["rows"]), "greedy output changed"
 

@@ -17,9 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
+
+# The server, its engine-core process and the official client; the GPU image has none of them.
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
 from server_utils import BackgroundServer
 
 from nano_v1.engine.arg_utils import EngineArgs

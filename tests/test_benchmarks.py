@@ -6,6 +6,7 @@ that silently runs a different workload reports a meaningless rate.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -139,6 +140,14 @@ def test_engine_flags_give_the_server_what_differs_from_the_defaults():
     assert serve.engine_flags(EngineArgs()) == []
 
 
+# `nano-v1 serve` needs FastAPI, uvicorn and, for its engine-core process, ZMQ and msgspec:
+# none of them is on the GPU image.
+needs_server = pytest.mark.skipif(
+    any(importlib.util.find_spec(p) is None for p in ("fastapi", "uvicorn", "zmq", "msgspec")),
+    reason="nano-v1 serve needs fastapi, uvicorn, pyzmq and msgspec",
+)
+
+
 @pytest.fixture
 def server_pythonpath(monkeypatch):
     """`nano-v1 serve` in a child process imports this checkout's nano_v1."""
@@ -147,6 +156,7 @@ def server_pythonpath(monkeypatch):
 
 @pytest.mark.ch09
 @pytest.mark.slow
+@needs_server
 def test_bench_serve_without_a_base_url_runs_its_own_server_and_stops_it(server_pythonpath, monkeypatch, tmp_path):
     started = []
     popen = subprocess.Popen
@@ -168,6 +178,7 @@ def test_bench_serve_without_a_base_url_runs_its_own_server_and_stops_it(server_
 
 @pytest.mark.ch09
 @pytest.mark.slow
+@needs_server
 def test_bench_serve_says_when_its_server_dies_on_start(server_pythonpath):
     with pytest.raises(RuntimeError, match="exited with code") as e:
         with serve.running_server(EngineArgs(dtype="no-such-dtype"), "demo"):

@@ -53,6 +53,19 @@ def compiled_llm(tiny_qwen3):
     return llm
 
 
+def test_a_process_compiles_more_engines_than_dynamos_recompile_limit(tiny_qwen3):
+    # Each engine adds an entry to Dynamo's cache of the model class's forward; past the
+    # limit (8 by default, 2 here to keep the test short) fullgraph=True would raise.
+    # (`config.patch`, not monkeypatch: monkeypatch's undo deletes a Dynamo config entry.)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(3):
+            llm = LLM(tiny_qwen3, dtype="float32", device="cpu", compilation_config={"level": 3},
+                      max_model_len=64, num_gpu_blocks_override=16)
+            outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+            assert len(outputs[0].outputs[0].token_ids) == 2
+
+
 # ------------------------------------------------------------------ the split
 def dense_sin_dense(x):
     """Three dense ops around two splitting ones (aten.sin stands in for attention)."""

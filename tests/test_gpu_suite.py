@@ -1,9 +1,11 @@
 """The one-shot GPU script stays ready: it runs end to end at smoke sizes, and no measurement can stop it.
 
 A GPU session is minutes long; a crash or a hang found there costs the whole session. So
-the whole suite runs here on the CPU (`--smoke`), and the runner's promises are checked
-with measurements made to fail: one that raises, one that passes its time cap, one that
-needs CUDA, one that runs after the budget is spent.
+the whole suite runs here on the CPU (`--smoke`), every measurement with its CUDA-only
+parts stubbed, and the runner's promises are checked with measurements made to fail: one
+that raises, one that passes its time cap, one that runs after the budget is spent. What
+the measurements decide before they run (graph sizes, the workload's size) is checked as
+it would be decided on CUDA.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ import time
 import pytest
 import torch
 
-from nano_v1.benchmarks import gpu_suite, ledger
+from nano_v1.benchmarks import gpu_suite, ledger, spec_decode
 from nano_v1.benchmarks.gpu_suite import Measurement, register, run_measurement, run_suite
-from nano_v1.benchmarks.utils import SuiteContext
+from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost
+from nano_v1.benchmarks.throughput import MANAGER_STOP_TIMEOUT_S, dummy_hf_model, run_generate_batch
+from nano_v1.benchmarks.utils import (
+    CONFIGS_DIR,
+    SMOKE_NUM_GPU_BLOCKS,
+    BenchRequest,
+    SuiteContext,
+    write_tiny_qwen3,
+)
+from nano_v1.config import CompilationConfig
 
 pytestmark = pytest.mark.ch01
 
@@ -37,12 +48,10 @@ def test_smoke_run_writes_every_measurement(smoke_report):
     assert "triton" in report["device"] and report["device"]["name"]
     records = report["measurements"]
     assert list(records) == list(gpu_suite.MEASUREMENTS)
-    on_cuda = torch.cuda.is_available()
     for name, record in records.items():
-        if gpu_suite.MEASUREMENTS[name].needs_cuda and not on_cuda:
-            assert record["status"] == "skipped" and "needs CUDA" in record["reason"], name
-        else:
-            assert record["status"] == "ok", (name, record.get("traceback") or record.get("error"))
+        assert record["status"] == "ok", (name, record.get("traceback") or record.get("error"))
+        stub = gpu_suite.MEASUREMENTS[name].cpu_stub
+        assert record.get("stubbed_on_cpu") == (None if torch.cuda.is_available() else stub), name
     log = (out / "gpu_suite.log").read_text()
     assert all(f"[{name}]" in log for name in records)
 
@@ -90,24 +99,109 @@ def test_decode_sweep_times_pure_decode_steps_after_a_multi_step_prefill(tmp_pat
     assert [r["batch_size"] for r in record["result"]["rows"]] == [1, 2, 4]
 
 
+def decode_rows(shape: ModelShape, batch_sizes, step_ms: float) -> dict:
+    """A decode_latency result (Qwen3-0.6B shape, H200 datasheet) whose steps all take `step_ms`."""
+    rows = [{"batch_size": b, "step_ms": step_ms,
+             "fraction_of_roofline": 1e3 * decode_step_cost(shape, b, 512).time_floor(H200_DATASHEET) / step_ms}
+            for b in batch_sizes]
+    return {"decode_latency": {"result": {"rows": rows, "context_len": 512, "dtype": "bfloat16"}}}
+
+
 def test_throughput_workload_is_scaled_to_fit_and_shared(tmp_path):
-    ctx = SuiteContext(device=torch.device("cpu"), smoke=False, work_dir=tmp_path, num_prompts=256)
+    ctx = SuiteContext(device=torch.device("cpu"), smoke=False, work_dir=tmp_path, num_prompts=256,
+                       _ceilings=H200_DATASHEET)
     ctx.deadline = time.perf_counter() + 110
+    shape = ModelShape.from_pretrained(CONFIGS_DIR / "qwen3-0.6b")
 
-    def decode_rows(step_ms):
-        return {"decode_latency": {"result": {"rows": [{"batch_size": b, "step_ms": step_ms} for b in (1, 256)]}}}
-
-    requests, workload = gpu_suite.throughput_workload(ctx, vocab_size=100)
+    requests, workload = gpu_suite.throughput_workload(ctx, shape)
     assert len(requests) == workload["num_prompts"] == 256 and "scaled_down" not in workload
     assert all(100 <= r.prompt_len <= 1024 and 100 <= r.output_len <= 1024 for r in requests)
-    ctx.results = decode_rows(1.0)  # 1 ms steps: 256 requests take seconds
-    assert gpu_suite.throughput_workload(ctx, vocab_size=100)[1]["num_prompts"] == 256
-    ctx.results = decode_rows(1000.0)  # 1 s steps: ~1000 steps cannot fit, however few the requests
-    workload = gpu_suite.throughput_workload(ctx, vocab_size=100)[1]
+    ctx.results = decode_rows(shape, (1, 256), 1.0)  # 1 ms steps: 256 requests take seconds
+    assert gpu_suite.throughput_workload(ctx, shape)[1]["num_prompts"] == 256
+    ctx.results = decode_rows(shape, (1, 256), 1000.0)  # 1 s steps: ~1000 steps cannot fit, however few the requests
+    workload = gpu_suite.throughput_workload(ctx, shape)[1]
     assert workload["num_prompts"] == 16 and "ran 16" in workload["scaled_down"]
     # Once nano_v1 has run, the peer gets exactly its workload.
     ctx.results["throughput_qwen3_0.6b"] = {"result": {"workload": {"num_prompts": 48}}}
-    assert len(gpu_suite.throughput_workload(ctx, vocab_size=100)[0]) == 48
+    assert len(gpu_suite.throughput_workload(ctx, shape)[0]) == 48
+
+
+def test_a_decode_sweep_of_one_row_does_not_shrink_the_workload(tmp_path):
+    # A sweep cut after B = 1 at 4 ms a step (launch bound, 6% of its roofline): prompt tokens are
+    # prefilled 8,192 to a step, not one step each, and larger batches cost more than B = 1.
+    ctx = SuiteContext(device=torch.device("cpu"), smoke=False, work_dir=tmp_path, num_prompts=256,
+                       _ceilings=H200_DATASHEET)
+    ctx.deadline = time.perf_counter() + 110
+    shape = ModelShape.from_pretrained(CONFIGS_DIR / "qwen3-0.6b")
+    ctx.results = decode_rows(shape, (1,), 4.0)
+    assert gpu_suite.throughput_workload(ctx, shape)[1]["num_prompts"] >= 128
+
+
+def test_engines_capture_graphs_for_exactly_the_step_sizes_they_time(tmp_path, monkeypatch):
+    # Resolved as on CUDA: a step size without its graph runs eagerly (a biased row), and a
+    # graph for a size never timed costs capture time before the first row.
+    built, timed = {}, {}
+    build = SuiteContext.llm
+
+    def recording_llm(self, model_dir, **overrides):
+        llm = build(self, model_dir, **overrides)
+        built[id(llm.llm_engine)] = overrides
+        return llm
+
+    def recording(time_decode_steps):
+        def timed_steps(engine, prompts, num_steps, *, num_spec_tokens=0, **kwargs):
+            timed.setdefault(id(engine), set()).add(len(prompts) * (1 + num_spec_tokens))
+            return time_decode_steps(engine, prompts, num_steps, num_spec_tokens=num_spec_tokens, **kwargs)
+        return timed_steps
+
+    monkeypatch.setattr(SuiteContext, "llm", recording_llm)
+    monkeypatch.setattr(gpu_suite, "time_decode_steps", recording(gpu_suite.time_decode_steps))
+    monkeypatch.setattr(spec_decode, "time_decode_steps", recording(spec_decode.time_decode_steps))
+    ctx = SuiteContext(device=torch.device("cpu"), smoke=True, work_dir=tmp_path, num_prompts=1)
+    for name in ("decode_latency", "spec_decode_verify_cost"):
+        assert run_measurement(gpu_suite.MEASUREMENTS[name], ctx, cap_s=120)["status"] == "ok", name
+    assert built.keys() == timed.keys() and len(built) == 2
+    for engine, overrides in built.items():
+        config = CompilationConfig.from_arg(overrides.get("compilation_config"))
+        config.resolve("cuda", False, overrides["max_num_seqs"], ctx.max_num_batched_tokens)
+        assert config.cudagraph_capture_sizes == sorted(timed[engine])
+
+
+def test_smoke_engines_get_a_tiny_cache_on_cuda_too(tmp_path):
+    # On CUDA a cache is otherwise sized to fill 90% of the GPU: millions of blocks for the tiny model.
+    ctx = SuiteContext(device=torch.device("cuda"), smoke=True, work_dir=tmp_path, num_prompts=1)
+    assert ctx.engine_args(ctx.model_dir("qwen3-0.6b")).num_gpu_blocks_override == SMOKE_NUM_GPU_BLOCKS
+
+
+@pytest.mark.slow
+def test_the_generate_batch_peer_stops_at_its_time_cap(tmp_path):
+    # transformers' manager, cut by the cap in its timed pass, must stop within seconds (its
+    # own exit flushes every queued request first), and say how long its timed pass ran.
+    model = dummy_hf_model(write_tiny_qwen3(tmp_path, weights=False), torch.float32, torch.device("cpu"))
+    warm_up = [BenchRequest(list(range(1, 17)), 4)] * 2
+    requests = warm_up + [BenchRequest(list(range(1, 17)), 3000)] * 16  # minutes of decoding on a CPU
+    peer = Measurement("peer", lambda ctx: run_generate_batch(model, requests, 512, progress=ctx.partial),
+                       cap_s=8, cpu_stub=None, description="")
+    ctx = SuiteContext(device=torch.device("cpu"), smoke=True, work_dir=tmp_path, num_prompts=len(requests))
+    record = run_measurement(peer, ctx, peer.cap_s)
+    assert record["status"] == "timed_out"
+    assert record["wall_s"] < peer.cap_s + MANAGER_STOP_TIMEOUT_S + 10
+    assert 0 < record["partial"]["timed_s"] < record["wall_s"]
+    assert record["partial"]["num_finished"] == len(warm_up)  # the long ones were cut
+
+
+def test_the_at_least_ratio_counts_only_the_peers_timed_pass():
+    ours = {"status": "ok", "result": {"output_tokens_per_s": 1000.0, "elapsed_s": 10.0, "fraction_of_roofline": 0.5,
+                                       "roofline": {"output_tokens_per_s": 2000.0}}}
+    # 60 s of wall time, of which 25 s building the model and warming up: the peer's
+    # timed pass ran 35 s and had not finished what nano_v1 did in 10 s.
+    peer = {"status": "timed_out", "wall_s": 60.0, "partial": {"timed_s": 35.0, "num_finished": 3}}
+    summary = gpu_suite.summarize({"throughput_qwen3_0.6b": ours, "throughput_qwen3_0.6b.generate_batch": peer})
+    assert summary["ratio_vs_generate_batch_at_least"] == pytest.approx(3.5)
+    cut_before_timing = {"status": "timed_out", "wall_s": 60.0, "partial": {}}
+    summary = gpu_suite.summarize({"throughput_qwen3_0.6b": ours,
+                                   "throughput_qwen3_0.6b.generate_batch": cut_before_timing})
+    assert "ratio_vs_generate_batch_at_least" not in summary
 
 
 @pytest.fixture
@@ -127,9 +221,9 @@ def test_a_failing_or_overrunning_measurement_does_not_stop_the_suite(registry, 
         ctx.partial["rows"] = [1, 2]
         time.sleep(30)
 
-    @register("cuda_only", cap_s=5, needs_cuda=True)
-    def cuda_only(ctx):
-        return {"ran": True}
+    @register("stubbed", cap_s=5, cpu_stub="no GPU kernel")
+    def stubbed(ctx):
+        return {"on_cuda": ctx.on_cuda}
 
     @register("after", cap_s=5)
     def after(ctx):
@@ -144,17 +238,15 @@ def test_a_failing_or_overrunning_measurement_does_not_stop_the_suite(registry, 
     assert "raise ValueError" in records["boom"]["traceback"]
     assert records["hang"]["status"] == "timed_out" and records["hang"]["wall_s"] < 5
     assert records["hang"]["partial"] == {"rows": [1, 2]}
-    if torch.cuda.is_available():
-        assert records["cuda_only"]["result"] == {"ran": True}
-    else:
-        assert records["cuda_only"]["status"] == "skipped" and "needs CUDA" in records["cuda_only"]["reason"]
-    assert records["after"] == {**records["after"], "status": "ok", "result": {"saw": ["boom", "cuda_only", "hang"]}}
+    assert records["stubbed"]["result"] == {"on_cuda": torch.cuda.is_available()}
+    assert records["stubbed"].get("stubbed_on_cpu") == (None if torch.cuda.is_available() else "no GPU kernel")
+    assert records["after"] == {**records["after"], "status": "ok", "result": {"saw": ["boom", "hang", "stubbed"]}}
     assert json.loads((tmp_path / "gpu_suite.json").read_text())["measurements"]["after"]["status"] == "ok"
 
 
 def test_an_overrun_the_alarm_cannot_interrupt_is_still_recorded():
     # Off the main thread there is no SIGALRM: the elapsed-time check must catch the overrun.
-    m = Measurement("slow", lambda ctx: time.sleep(0.4) or {"value": 1}, cap_s=0.1, needs_cuda=False, description="")
+    m = Measurement("slow", lambda ctx: time.sleep(0.4) or {"value": 1}, cap_s=0.1, cpu_stub=None, description="")
     ctx = SuiteContext(device=torch.device("cpu"), smoke=True, work_dir=None, num_prompts=1)
     records = []
     thread = threading.Thread(target=lambda: records.append(run_measurement(m, ctx, m.cap_s)))

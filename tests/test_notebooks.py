@@ -14,10 +14,13 @@ import json
 import os
 from pathlib import Path
 
-import jupytext
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+# The notebooks' Jupyter tooling; the GPU image has none of it (the notebooks run there as scripts).
+jupytext = pytest.importorskip("jupytext")
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
+pytest.importorskip("ipykernel")
 
 pytestmark = pytest.mark.notebooks
 

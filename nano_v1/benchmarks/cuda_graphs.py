@@ -19,7 +19,6 @@ eager model with the split-and-compiled one (the host cost of the split path its
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from nano_v1.benchmarks.throughput import time_llm_generate
 from nano_v1.benchmarks.utils import (
     SuiteContext,
     max_warm_up_steps,
+    release_engines,
     sample_random_requests,
     time_decode_steps,
 )
@@ -44,7 +44,11 @@ MODES: dict[str, dict[str, Any]] = {
     "piecewise": {"compilation_config": {"level": 3, "cudagraph_mode": "PIECEWISE"}},
     "full": {"compilation_config": {"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}},
 }
-CPU_MODES: dict[str, dict[str, Any]] = {"eager": {}, "split": {"compilation_config": {"level": 3}}}
+# Without graphs, on any device: the eager model, and the split-and-compiled one uncaptured.
+CPU_MODES: dict[str, dict[str, Any]] = {
+    "eager": {"enforce_eager": True},
+    "split": {"compilation_config": {"level": 3, "cudagraph_mode": "NONE"}},
+}
 # The host calls that launch one kernel each, and the one that launches a whole graph.
 KERNEL_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 GRAPH_LAUNCH_API = "cudaGraphLaunch"
@@ -121,17 +125,6 @@ def measure_mode(
     return result
 
 
-def release_engines() -> None:
-    """Free the engines that went out of scope, before the next mode builds its own.
-
-    Dynamo's cache outlives an engine and holds its backend, with the graphs in it.
-    """
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def compare(results: dict[str, dict[str, Any]], peer: str, base: str) -> dict[str, float]:
     """`base` step latency / `peer` step latency, per batch size both measured (> 1: peer is faster)."""
     base_ms = {r["batch_size"]: r["step_ms"] for r in results[base]["rows"]}
@@ -146,8 +139,10 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     """The GPU suite's `cuda_graphs` measurement: the three modes on the Qwen3-0.6B shape (bf16, dummy weights).
 
     Graphs are captured only at the measured batch sizes, to keep start-up short; every
-    mode uses the Triton attention kernel where this checkout has it (FULL needs it, and
-    the comparison must not change kernels between modes).
+    mode uses the Triton attention kernel (FULL needs it, and the comparison must not
+    change kernels between modes). On a CPU (the suite's smoke check) the same engines
+    are built without graphs (`cudagraph_mode` NONE: each mode's model, split or not, runs
+    uncaptured), with the reference attention, and no launches are counted.
     """
     batch_sizes = [1, 2, 4] if ctx.smoke else BATCH_SIZES
     context_len, num_steps = (32, 2) if ctx.smoke else (128, 10)
@@ -156,9 +151,9 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
         "max_model_len": 1024,
         "max_num_seqs": max(batch_sizes),
         "enable_prefix_caching": False,
+        # The Triton kernel in every mode (FULL graphs need it); TRITON_ATTN so no mode cascades.
+        "attention_backend": "TRITON_ATTN" if ctx.on_cuda else "TORCH_REFERENCE",
     }
-    # The Triton kernel in every mode (FULL graphs need it); TRITON_ATTN so no mode cascades.
-    base["attention_backend"] = "TRITON_ATTN"
     assert (
         context_len + max_warm_up_steps(max(batch_sizes), context_len, ctx.max_num_batched_tokens) + num_steps + 2
         <= base["max_model_len"]
@@ -170,10 +165,8 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
     for mode, overrides in MODES.items():
         overrides = dict(overrides)
         if "compilation_config" in overrides:
-            overrides["compilation_config"] = {
-                **overrides["compilation_config"],
-                "cudagraph_capture_sizes": batch_sizes,
-            }
+            graphs = {"cudagraph_capture_sizes": batch_sizes} if ctx.on_cuda else {"cudagraph_mode": "NONE"}
+            overrides["compilation_config"] = {**overrides["compilation_config"], **graphs}
         start = time.perf_counter()
         llm = ctx.llm(model_dir, **base, **overrides)
         startup_s = time.perf_counter() - start  # Dynamo's trace and the graph captures included
@@ -184,7 +177,7 @@ def measure_cuda_graphs(ctx: SuiteContext) -> dict[str, Any]:
                 batch_sizes,
                 context_len,
                 num_steps,
-                profile_batch_size=min(8, max(batch_sizes)),
+                profile_batch_size=min(8, max(batch_sizes)) if ctx.on_cuda else None,
                 throughput_requests=requests,
                 time_left=ctx.time_left,
             ),

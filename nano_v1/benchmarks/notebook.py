@@ -9,8 +9,11 @@ that says where its numbers came from:
   - default, on a GPU: the full sizes, same files;
   - smoke (`NANO_V1_SMOKE=1`): every size shrunk so the whole set executes in CI through
     a real Jupyter kernel in seconds. Smoke runs must not overwrite the committed
-    results, so they write to `$NANO_V1_FIGURES_DIR` if set, else to
-    `<tmp>/nano_v1_smoke_figures/` (same file names, `"smoke": true` inside the JSON).
+    results, so they write to `<tmp>/nano_v1_smoke_figures/` (same file names,
+    `"smoke": true` inside the JSON).
+`$NANO_V1_FIGURES_DIR`, when set, takes every run's files instead (a GPU session's
+device script collects them there). On a GPU several engines alive at once each ask for
+a share of its memory (`gpu_memory_share`), as one engine would take 90% of it.
 A measurement that needs a GPU falls back, on a CPU, to the latest recorded GPU run in
 figures/data/ (`nano_v1/benchmarks/ledger.py`), labelled with its device and date.
 Notebooks that read the scheduler build their own engine core (`engine_core`): `LLM`
@@ -30,6 +33,7 @@ import torch
 
 from nano_v1.benchmarks.ledger import LEDGER_DIR, latest_gpu_results
 from nano_v1.benchmarks.utils import CONFIGS_DIR, environment, write_json, write_tiny_qwen3
+from nano_v1.config import CacheConfig
 from nano_v1.engine import EngineCoreRequest
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.core import EngineCore
@@ -88,12 +92,19 @@ def core_request(request_id: str, prompt_token_ids: list[int], params: SamplingP
 
 
 def figures_dir() -> Path:
-    """figures/ of the checkout; in smoke mode `$NANO_V1_FIGURES_DIR` or a temporary directory."""
-    if not SMOKE:
-        return LEDGER_DIR.parent
-    return Path(
-        os.environ.get("NANO_V1_FIGURES_DIR") or Path(tempfile.gettempdir()) / "nano_v1_smoke_figures"
-    )
+    """`$NANO_V1_FIGURES_DIR` if set; else figures/ of the checkout, or a temporary directory in smoke mode."""
+    if os.environ.get("NANO_V1_FIGURES_DIR"):
+        return Path(os.environ["NANO_V1_FIGURES_DIR"])
+    return Path(tempfile.gettempdir()) / "nano_v1_smoke_figures" if SMOKE else LEDGER_DIR.parent
+
+
+def gpu_memory_share(num_engines: int) -> dict[str, float]:
+    """Engine arguments for one of `num_engines` engines alive at once: on a GPU, an equal part of
+    the memory one engine would take (`gpu_memory_utilization`, its KV cache sized from that
+    part); on a CPU nothing, each cache being `kv_cache_memory_bytes`."""
+    if not ON_GPU:
+        return {}
+    return {"gpu_memory_utilization": CacheConfig.gpu_memory_utilization / num_engines}
 
 
 def tick_at(axes, values) -> None:

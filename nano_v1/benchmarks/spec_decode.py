@@ -90,6 +90,7 @@ def run_cpu_sweep(
     lookup_maxes: tuple[int, ...] = DEFAULT_LOOKUP_MAXES,
     max_num_seqs: int | None = None,
     dtype: str = "float32",
+    engine_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every (k, prompt_lookup_max) against no speculation, on the demo model.
 
@@ -98,13 +99,14 @@ def run_cpu_sweep(
     off so that repeated runs of the same prompts cost the same. float32 by default: in
     the checkpoint's bfloat16, a step verifying 4 tokens rounds differently from a step
     decoding 1, and a near-tie between the top two logits can flip (chapter 10). Every
-    engine core runs in this process, where its worker counts the steps.
+    engine core runs in this process, where its worker counts the steps. Two engines are
+    alive at once (the baseline and one speculating); `engine_overrides` go to both.
     """
     from nano_v1 import LLM
     from nano_v1.metrics.reader import spec_decoding_stats_from_metrics
 
     engine_args = {"max_model_len": prompt_len + max_tokens + 8, "enable_prefix_caching": False, "dtype": dtype,
-                   "max_num_seqs": max_num_seqs or num_prompts}
+                   "max_num_seqs": max_num_seqs or num_prompts, **(engine_overrides or {})}
 
     def in_process_llm(**extra: Any) -> LLM:
         return LLM.from_engine_args(EngineArgs(**engine_args, **extra), enable_multiprocessing=False)
@@ -237,10 +239,13 @@ def verify_cost_sweep(
     vocab_size = ModelShape.from_pretrained(model_dir).vocab_size
     # Every timed step may gain up to k + 1 tokens: room for all of them.
     max_warm_up = max_warm_up_steps(max(batch_sizes), context_len, ctx.max_num_batched_tokens)
+    # A graph for every measured step size, B x (1 + k) tokens: the default ladder stops at
+    # 2 x max_num_seqs, and a step past it would run eagerly while k = 0 replays a graph.
     llm = ctx.llm(
         model_dir, max_model_len=context_len + (max_warm_up + num_steps + 2) * (max(ks) + 1),
         max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)},
+        compilation_config={"cudagraph_capture_sizes": sorted({b * (1 + k) for b in batch_sizes for k in ks})},
     )
     engine = llm.llm_engine
     rng = np.random.default_rng(0)

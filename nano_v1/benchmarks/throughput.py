@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ from nano_v1.benchmarks.utils import (
     BenchRequest,
     length_range,
     print_table,
+    release_engines,
     run_on_model,
     sample_random_requests,
     write_json,
@@ -53,6 +53,8 @@ GOAL_RATIO_VS_GENERATE_BATCH = 10.0
 # CPU (its SDPA path fills a mask per step that grows with the step size); its own default,
 # sized from free memory, was slower still.
 CPU_HF_MAX_BATCH_TOKENS = 512
+# How long a hard stop of transformers' continuous batching manager may wait for its thread.
+MANAGER_STOP_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,10 +126,8 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
 
     results: dict[str, RunResult] = {"nano_v1": run_nano_v1(engine_args, requests)}
     device = vllm_config.device_config.device
-    if device.startswith("cuda"):
-        # nano_v1's engine is out of scope; collect it so its KV cache memory goes to the peers.
-        gc.collect()
-        torch.cuda.empty_cache()
+    # nano_v1's engine is out of scope; free it so its KV cache memory goes to the peers.
+    release_engines()
     if peers:
         model = load_hf_model(vllm_config)
         if "generate_batch" in peers:
@@ -228,15 +228,24 @@ def _greedy_config(max_new_tokens: int):
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def run_generate_batch(
-    model, requests: list[BenchRequest], max_batch_tokens: int | None, use_cuda_graph: bool | None = None
+    model,
+    requests: list[BenchRequest],
+    max_batch_tokens: int | None,
+    use_cuda_graph: bool | None = None,
+    progress: dict[str, Any] | None = None,
 ) -> RunResult:
     """transformers' continuous batching, each request with its own `max_new_tokens`.
 
     The KV cache is sized to hold the whole workload at once, as nano_v1's is on CPU; left
     to itself, transformers sizes it from the host's free memory and spends seconds
-    filling a cache hundreds of times too large.
+    filling a cache hundreds of times too large. Under `no_grad`, not `inference_mode`:
+    the manager's warm-up makes tensors on this thread that its generation thread then
+    updates in place, which tensors made in inference mode refuse outside it (transformers
+    5.17). The timed pass keeps `progress` up to date (`timed_s`, seconds since its first
+    request went in; `num_finished`, requests done), also when it is interrupted, so a
+    caller whose time cap cut it short knows how long it ran.
     """
     try:
         from transformers import ContinuousBatchingConfig
@@ -260,15 +269,19 @@ def run_generate_batch(
         num_requests=len(requests),
     )
 
-    def generate(batch: list[BenchRequest]) -> tuple[list[int], float]:
+    def generate(batch: list[BenchRequest], progress: dict[str, Any]) -> tuple[list[int], float]:
         """Output lengths, and seconds from the first request in to the last result out
         (the manager's start-up, graph capture included, and its shutdown are not timed)."""
-        config = _greedy_config(max(r.output_len for r in batch))
+        manager = model.init_continuous_batching(
+            generation_config=_greedy_config(max(r.output_len for r in batch)),
+            continuous_batching_config=cb_config,
+            workload_hints=hints,
+        )
+        manager.warmup()
+        manager.start()
         lengths: dict[str, int] = {}
-        with model.continuous_batching_context_manager(
-            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints, block=True
-        ) as manager:
-            start = time.perf_counter()
+        start = time.perf_counter()
+        try:
             for i, r in enumerate(batch):
                 manager.add_request(r.prompt_token_ids, request_id=f"req_{i}", max_new_tokens=r.output_len)
             while len(lengths) < len(batch):
@@ -277,13 +290,30 @@ def run_generate_batch(
                     raise RuntimeError("transformers' continuous batching thread stopped before finishing.")
                 if result is not None and result.is_finished():
                     lengths[result.request_id] = len(result.generated_tokens)
-            elapsed = time.perf_counter() - start
-        return [lengths[f"req_{i}"] for i in range(len(batch))], elapsed
+                progress.update(timed_s=time.perf_counter() - start, num_finished=len(lengths))
+        finally:
+            progress.update(timed_s=time.perf_counter() - start, num_finished=len(lengths))
+            _stop_manager(manager)
+        return [lengths[f"req_{i}"] for i in range(len(batch))], progress["timed_s"]
 
-    generate(requests[:2])  # warm-up
-    lengths, elapsed = generate(requests)
+    generate(requests[:2], {})  # warm-up
+    lengths, elapsed = generate(requests, {} if progress is None else progress)
     _check_lengths("generate_batch", lengths, requests)
     return RunResult(elapsed, sum(r.prompt_len for r in requests), sum(lengths))
+
+
+def _stop_manager(manager) -> None:
+    """Stop a continuous batching manager at once, whatever it still has queued.
+
+    Its context manager's exit stops it by flushing, with no time limit: every request
+    still queued is generated first (a 5 s cap returned after 166 s on a CPU). A hard stop
+    ends the generation thread after its current batch; if the thread is still alive
+    `MANAGER_STOP_TIMEOUT_S` later, the manager is left to it rather than destroyed
+    (destroying a running manager flushes it).
+    """
+    manager.stop(block=True, timeout=MANAGER_STOP_TIMEOUT_S, hard_stop=True)
+    if not manager.is_running():
+        manager.destroy()
 
 
 @torch.inference_mode()

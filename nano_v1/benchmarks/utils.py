@@ -14,6 +14,7 @@ others, and none of them imports the suite back.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import math
 import os
@@ -58,6 +59,8 @@ TINY_QWEN3_SHAPE = {
 CONFIGS_DIR = Path(__file__).parent / "configs"
 # Tokens per step of the GPU measurements: nano-vllm's benchmark, which the H200 goals are stated on.
 MAX_NUM_BATCHED_TOKENS = 8192
+# KV cache blocks of every smoke engine: 16k tokens, 64 MiB for the tiny Qwen3 in float32.
+SMOKE_NUM_GPU_BLOCKS = 1024
 
 
 @dataclass(slots=True)
@@ -193,7 +196,9 @@ class SuiteContext:
             "max_num_batched_tokens": self.max_num_batched_tokens,
         }
         if self.smoke:
-            kwargs["kv_cache_memory_bytes"] = 64 << 20
+            # A fixed, tiny cache on any device: on CUDA the cache is otherwise sized to fill
+            # gpu_memory_utilization of the GPU (millions of blocks for a tiny model).
+            kwargs["num_gpu_blocks_override"] = SMOKE_NUM_GPU_BLOCKS
         kwargs.update(overrides)
         return EngineArgs(**kwargs)
 
@@ -207,6 +212,20 @@ class SuiteContext:
         from nano_v1 import LLM
 
         return LLM.from_engine_args(self.engine_args(model_dir, **overrides), enable_multiprocessing=False)
+
+
+def release_engines() -> None:
+    """Free the engines that went out of scope, before the next one is built or a peer allocates.
+
+    A compiled engine waits in a reference cycle (its model's compiled forward refers back
+    to the model) until a collection, and Dynamo's cache outlives it and holds its
+    backend, with the CUDA graphs in it. Call it only when no compiled engine is alive:
+    resetting Dynamo drops every engine's compiled code.
+    """
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def max_warm_up_steps(batch_size: int, context_len: int, max_num_batched_tokens: int) -> int:

@@ -20,6 +20,9 @@ from nano_v1.forward_context import set_forward_context
 
 logger = logging.getLogger(__name__)
 
+# Compiled engines one process may build (a notebook builds one per configuration it compares).
+MAX_ENGINES_PER_PROCESS = 64
+
 
 @torch.inference_mode()
 def compile_forward(
@@ -38,6 +41,10 @@ def compile_forward(
     altogether: the graph's ops work at any token count. The inputs should be slices of
     the buffers every later step slices too.
     """
+    # Dynamo keeps one compiled entry per engine (each has a backend of its own) on the model
+    # class's `forward`, and by default refuses a ninth, which fullgraph=True makes an error:
+    # notebooks and the GPU suite build many engines in one process (vLLM, one per process).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_ENGINES_PER_PROCESS)
     model.forward = torch.compile(
         model.forward,
         backend=backend,

@@ -12,6 +12,7 @@ torch.distributed before the model is built, so that each layer can take its sha
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -54,6 +55,9 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
         self.init_free_memory = 0  # bytes free on the GPU before the model was loaded
+        # Bytes torch had allocated and reserved then: other engines' of this process, not this one's.
+        self.init_torch_allocated = 0
+        self.init_torch_reserved = 0
 
     def init_device(self) -> None:
         self.device = torch.device(self.vllm_config.device_config.device)
@@ -61,8 +65,13 @@ class Worker:
             if self.device.index is None:
                 self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
+            # An engine dropped earlier in this process may wait in a reference cycle (a
+            # compiled model's forward refers back to the model): free it before measuring.
+            gc.collect()
             torch.cuda.empty_cache()
             self.init_free_memory, total = torch.cuda.mem_get_info(self.device)
+            self.init_torch_allocated = torch.cuda.memory_allocated(self.device)
+            self.init_torch_reserved = torch.cuda.memory_reserved(self.device)
             requested = self.cache_config.gpu_memory_utilization * total
             if self.init_free_memory < requested:
                 raise ValueError(
@@ -90,9 +99,11 @@ class Worker:
 
         CPU: `cache_config.kv_cache_memory_bytes`, as there is nothing to measure against.
         CUDA: run the largest possible step without a cache (`profile_run`) and measure.
-        The cache gets what is left of `gpu_memory_utilization x total` after the peak
-        that torch allocated (weights + activations of that step) and what the process
-        holds outside torch's allocator (CUDA context growth, cuBLAS workspaces).
+        The cache gets what is left of `gpu_memory_utilization x total` after what this
+        engine added since `init_device` (vLLM: `memory_profiling` against the snapshot taken
+        there): the peak torch allocated (weights + activations of that step) and what the
+        process gained outside torch's allocator (CUDA context growth, cuBLAS workspaces).
+        Memory that other engines of this process already held is theirs, not this one's.
         """
         if self.device.type != "cuda":
             return self.cache_config.kv_cache_memory_bytes
@@ -101,9 +112,11 @@ class Worker:
         self.model_runner.profile_run()
         torch.cuda.synchronize(self.device)
         free_after, total = torch.cuda.mem_get_info(self.device)
-        torch_peak = torch.cuda.max_memory_allocated(self.device)
+        # This engine's peak: its weights and the profile step's activations.
+        torch_peak = torch.cuda.max_memory_allocated(self.device) - self.init_torch_allocated
         # Growth in this process's footprint that torch's caching allocator does not account for.
-        non_torch = max(0, (self.init_free_memory - free_after) - torch.cuda.memory_reserved(self.device))
+        torch_growth = torch.cuda.memory_reserved(self.device) - self.init_torch_reserved
+        non_torch = max(0, (self.init_free_memory - free_after) - torch_growth)
         requested = self.cache_config.gpu_memory_utilization * total
         available = int(requested - torch_peak - non_torch)
         logger.info(

@@ -21,11 +21,13 @@ transformers 4.52+, and llava-hf's (`vision_tower.vision_model.`) all load.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -89,8 +91,6 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
 
     def __init__(self, info: LlavaProcessingInfo) -> None:
         super().__init__(info)
-        from transformers import AutoImageProcessor
-
         model_dir = Path(info.model_config.model)
         if not (model_dir / "preprocessor_config.json").is_file():
             raise ValueError(
@@ -98,7 +98,13 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
                 "needs the checkpoint's image processor to prepare images."
             )
         # Without torchvision, transformers picks the PIL implementation (CLIPImageProcessorPil).
-        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        try:
+            self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+        except ImportError:
+            # transformers 5.17 (the GPU image's, which has no torchvision) makes AutoImageProcessor
+            # itself need torchvision; the class the checkpoint names falls back to PIL there.
+            name = json.loads((model_dir / "preprocessor_config.json").read_text())["image_processor_type"]
+            self.image_processor = getattr(transformers, name).from_pretrained(model_dir)
 
     def get_placeholder_token_id(self, modality: str) -> int:
         return self.info.get_hf_config().image_token_index
