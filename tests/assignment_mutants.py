@@ -115,18 +115,6 @@ MUTANTS: dict[str, list[Mutant]] = {
             old="num_required_blocks - num_held - len(new_computed_blocks)",
             new="num_required_blocks - len(new_computed_blocks)",
         ),
-        Mutant(
-            "forgets_the_hits",
-            "allocates fresh blocks for the slots that cache hits already cover",
-            old="num_required_blocks - num_held - len(new_computed_blocks)",
-            new="num_required_blocks - num_held",
-        ),
-        Mutant(
-            "negative_when_covered",
-            "returns a negative count when the held blocks already cover the slots",
-            old="max(0, num_required_blocks - num_held - len(new_computed_blocks))",
-            new="num_required_blocks - num_held - len(new_computed_blocks)",
-        ),
     ],
     "ch03_t1": [
         Mutant(
@@ -775,10 +763,10 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="return tensor_model_parallel_all_reduce(tensor_model_parallel_all_reduce(output_parallel))",
         ),
         Mutant(
-            "no_weight",
-            "ignores its input slice: multiplies zeros by the weight",
+            "scales_by_the_ranks",
+            "multiplies each rank's partial product by the number of ranks, as if it were an average",
             old="output_parallel = F.linear(x, self.weight, bias)",
-            new="output_parallel = F.linear(torch.zeros_like(x), self.weight, bias)",
+            new="output_parallel = F.linear(x, self.weight, bias) * get_tensor_model_parallel_world_size()",
         ),
     ],
 }

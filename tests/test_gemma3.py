@@ -96,7 +96,7 @@ def test_layers_form_hybrid_groups_with_one_shared_pool(hf_reference):
         ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"],
         ["model.layers.3.self_attn.attn", "model.layers.4.self_attn.attn"],
     ]
-    runner = engine_core(llm).model_executor.model_runner
+    runner = engine_core(llm).model_executor.driver_worker.model_runner
     layers = runner.attn_layers
     assert (
         layers["model.layers.0.self_attn.attn"].kv_cache.data_ptr()

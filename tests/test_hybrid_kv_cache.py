@@ -228,13 +228,22 @@ def test_remove_skipped_blocks_in_a_long_chunk_frees_several_at_once():
     request.num_computed_tokens = 24
     free_before = manager.block_pool.get_num_free_blocks()
     manager.allocate_slots(request, 16)  # the next query is at 24: keys 19.. -> block 4 on
-    assert [b.is_null for b in sliding.req_to_blocks["r"]] == [True] * 4 + [False] * 6
+    nulls = [b.is_null for b in sliding.req_to_blocks["r"]]
+    assert nulls == [True] * 4 + [False] * 6, (
+        f"with window 6 and the next query at 24, keys 19.. stay visible: blocks 0-3 (keys 0-15) must be "
+        f"the null block and blocks 4.. kept; which are null: {nulls}"
+    )
     # Four dropped, then four new blocks for each of the two groups.
-    assert manager.block_pool.get_num_free_blocks() == free_before + 4 - 8
+    num_free = manager.block_pool.get_num_free_blocks()
+    assert num_free == free_before + 4 - 8, (
+        f"the 4 blocks that fell out of the window must go back to the pool: {num_free} free blocks, "
+        f"expected {free_before + 4 - 8}"
+    )
     # The dropped blocks joined the back of the free queue, the one nearest the window first.
-    assert queue_ids(manager.block_pool.free_block_queue)[-4:] == ids[3::-1]
+    tail = queue_ids(manager.block_pool.free_block_queue)[-4:]
+    assert tail == ids[3::-1], f"the dropped blocks {ids[3::-1]} must end the free queue, newest first; it ends {tail}"
     manager.free(request)
-    assert manager.block_pool.get_num_free_blocks() == 39
+    assert manager.block_pool.get_num_free_blocks() == 39, "a freed request must give back every block once"
 
 
 def drop_blocks_before(self, request_id: str, first_useful_block: int, free=True, null=True) -> None:
@@ -352,16 +361,25 @@ def test_sliding_window_hit_is_found_from_the_right():
     pool, hashes, (placed,) = pool_with_cached_blocks([[False, True, True, False, True, False]])
     spec = SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=8, **HEADS)
     (hit,) = SlidingWindowManager.find_longest_cache_hit(hashes, 24, [0], pool, spec)
-    assert hit == [pool.null_block, placed[1], placed[2]]
+    assert hit == [pool.null_block, placed[1], placed[2]], (
+        f"cached blocks 1, 2, 4 with a window of 2 blocks: the rightmost run of 2 is blocks 1-2, so the hit is "
+        f"[null, 1, 2]; got {[b.block_id for b in hit]}"
+    )
     # Only the window's blocks are needed: a missing block 0 does not stop the hit.
     pool, hashes, (placed,) = pool_with_cached_blocks([[False, False, True, True, True]])
     (hit,) = SlidingWindowManager.find_longest_cache_hit(hashes, 20, [0], pool, spec)
-    assert hit == [pool.null_block] * 3 + placed[3:5]
+    assert hit == [pool.null_block] * 3 + placed[3:5], (
+        f"only the window's blocks must be cached: blocks 3-4 end a hit of 5 blocks whose first 3 are null; "
+        f"got {[b.block_id for b in hit]}"
+    )
     # A run from block 0 is a hit even when shorter than the window.
     spec = SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=17, **HEADS)
     pool, hashes, (placed,) = pool_with_cached_blocks([[True, True, False, True, True, True]])
     (hit,) = SlidingWindowManager.find_longest_cache_hit(hashes, 24, [0], pool, spec)
-    assert hit == placed[:2]
+    assert hit == placed[:2], (
+        f"a run that starts at block 0 is a hit even when shorter than the window (no older key exists): "
+        f"blocks 0-1; got {[b.block_id for b in hit]}"
+    )
 
 
 @pytest.mark.ch12_t2

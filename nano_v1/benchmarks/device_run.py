@@ -67,6 +67,8 @@ NOTEBOOKS = (
     "07_cascade_attention",
     "09_processes",
     "11_multimodal",
+    "12_hybrid_kv_cache",
+    "13_tensor_parallel",
 )
 # Packages a notebook needs beyond the GPU image's: 09 starts engine-core processes (ZMQ, msgpack).
 NOTEBOOK_NEEDS = {"09_processes": ("zmq", "msgspec")}
