@@ -237,6 +237,21 @@ def test_allocate_slots_refuses_zero_tokens():
 
 @pytest.mark.ch02_t2
 @pytest.mark.ch02
+def test_allocate_slots_admits_exactly_what_fits():
+    manager = make_manager(num_gpu_blocks=3, max_model_len=100, enable_caching=False)  # 2 free: block 0 is null
+    full = make_request("full", list(range(8)))
+    assert manager.allocate_slots(full, 8) is not None, (
+        "8 tokens in blocks of 4 need exactly 2 blocks, and 2 are free: the request fits and must be admitted"
+    )
+    manager.free(full)
+    over = make_request("over", list(range(9)))
+    assert manager.allocate_slots(over, 9) is None, (
+        "9 tokens need 3 blocks of 4 (a partly filled block is still a whole block) and only 2 are free: refuse"
+    )
+
+
+@pytest.mark.ch02_t2
+@pytest.mark.ch02
 def test_allocate_slots_is_all_or_nothing():
     manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)
     big = make_request("big", list(range(8)))
