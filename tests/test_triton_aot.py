@@ -33,15 +33,14 @@ KERNELS = {"_unified_attention_kernel", "_reshape_and_cache_kernel", "_merge_att
 # in 32-key tiles. float32 is the CPU's dtype and the notebooks' parity checks' on a GPU, never a
 # measured path; a 16-key tile (as float32 decodes use) does not spill. Listed so that a new spill
 # anywhere else fails, and so does a listed variant that stops spilling (then drop it here).
-#
-# Also spilling since the kernel's loop learned to start at a sliding window's first tile
-# (chapter 12): bfloat16 over head sizes 128 and 256 in 16- and 32-key tiles, and float32
-# over 256 in 32-key tiles, though these variants run with no window. bfloat16 at head size
+KNOWN_SPILLS = {("_unified_attention_kernel", "fp32", "128", "32")}
+# Spilling since the kernel's loop learned to start at a sliding window's first tile
+# (chapter 12), though these variants run with no window; which of them spill depends on the
+# Triton version (3.9 spills all four, 3.6 all but bfloat16/128/32). bfloat16 at head size
 # 128 is the measured path on an H200, so this is a performance regression to fix before
-# the first GPU run (spills cost speed, not correctness); it is listed here so that CI keeps
-# checking every other variant meanwhile.
-KNOWN_SPILLS = {
-    ("_unified_attention_kernel", "fp32", "128", "32"),
+# the first GPU run (spills cost speed, not correctness); listed so that CI keeps checking
+# every other variant meanwhile, and not required to spill.
+MAY_SPILL = {
     ("_unified_attention_kernel", "fp32", "256", "32"),
     ("_unified_attention_kernel", "bf16", "128", "16"),
     ("_unified_attention_kernel", "bf16", "128", "32"),
@@ -96,8 +95,8 @@ def test_every_variant_fits_hopper(variants):
 
 def test_no_variant_spills_but_the_known_ones(variants):
     spilling = {spill_key(v) for v in variants if v["stack_bytes"] or v["local_bytes"]}
-    assert spilling - KNOWN_SPILLS == set(), (
-        f"(kernel, dtype, head size, tile) that spill: {spilling - KNOWN_SPILLS}"
+    assert spilling - KNOWN_SPILLS - MAY_SPILL == set(), (
+        f"(kernel, dtype, head size, tile) that spill: {spilling - KNOWN_SPILLS - MAY_SPILL}"
     )
     assert KNOWN_SPILLS <= spilling, (
         f"no longer spill, drop them from KNOWN_SPILLS: {KNOWN_SPILLS - spilling}"
