@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import socket
+import subprocess
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import prometheus_client
@@ -86,3 +89,22 @@ class BackgroundServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def wait_until_healthy(
+    base_url: str, proc: subprocess.Popen, timeout_s: float, exit_detail: Callable[[], str]
+) -> None:
+    """Poll `base_url`/health until a `nano-v1 serve` process answers 200; fail if it exits
+    first (with `exit_detail()`, its output) or takes longer than `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{exit_detail()}"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "nano-v1 serve did not come up"
+        time.sleep(0.2)

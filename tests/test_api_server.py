@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from server_utils import BackgroundServer
+from server_utils import BackgroundServer, wait_until_healthy
 
 from nano_v1.engine.arg_utils import EngineArgs
 
@@ -249,16 +249,7 @@ def test_nano_v1_serve_command():
     ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "nano-v1 serve did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc, 120, proc.stderr.read)
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S
         )

@@ -31,6 +31,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families
+from server_utils import wait_until_healthy
 
 import nano_v1
 from nano_v1 import LLM, SamplingParams
@@ -76,18 +77,7 @@ class ServeProcess:
         return self.log.read()
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, (
-                f"the server exited ({self.proc.returncode}):\n{self.output()[-3000:]}"
-            )
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "nano-v1 serve did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(self.base_url, self.proc, timeout_s, lambda: self.output()[-3000:])
         # Everything it started (forkserver, engine core, resource tracker), to check that all exit with it.
         self.descendants = psutil.Process(self.proc.pid).children(recursive=True)
 
