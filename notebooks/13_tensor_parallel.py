@@ -241,6 +241,7 @@ for ax, (label, shape) in zip(axes[0], cpu_models.items()):
                     marker="o", capsize=3, label=config_label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    nb.log_ticks(ax)
     nb.tick_at([ax], STEP_BATCHES)
     ax.set_xlabel("batch size")
     ax.set_ylabel("ms per decode step")
