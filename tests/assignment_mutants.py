@@ -116,6 +116,83 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="num_required_blocks - len(new_computed_blocks)",
         ),
     ],
+    "ch02_t3": [
+        Mutant(
+            "touches_hits_before_checking",
+            "takes the cache hits out of the free queue before checking that the rest fits: not all or nothing",
+            old="""        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+
+        # Committed from here on. Touch the hits first, so that get_new_blocks cannot
+        # evict them to make room for this very request.
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_block_list)
+        else:
+            assert not any(new_computed_block_list), "cache hits without prefix caching"
+""",
+            new="""        if self.enable_caching:
+            self.block_pool.touch(new_computed_block_list)
+        else:
+            assert not any(new_computed_block_list), "cache hits without prefix caching"
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+""",
+        ),
+        Mutant(
+            "hits_not_touched",
+            "never touches the cache hits: they keep ref_cnt 0 and stay in the free queue, free to be handed out",
+            old="            self.block_pool.touch(new_computed_block_list)\n",
+            new="            pass\n",
+        ),
+        Mutant(
+            "hit_tokens_not_counted",
+            "counts slots from request.num_computed_tokens, forgetting the tokens the cache hits hold",
+            old="num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens",
+            new="num_computed_tokens = request.num_computed_tokens",
+        ),
+        Mutant(
+            "no_lookahead_slots",
+            "forgets the lookahead slots: draft tokens get no block",
+            old="num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len",
+            new="num_computed_tokens + num_new_tokens, self.max_model_len",
+        ),
+        Mutant(
+            "fast_path_ignores_lookahead",
+            "the fast path checks that the new tokens fit in the blocks held, not their lookahead slots",
+            old="and end + num_lookahead_tokens <= len(req_blocks) * self.block_size",
+            new="and end <= len(req_blocks) * self.block_size",
+        ),
+        Mutant(
+            "fast_path_skips_caching",
+            "the fast path only checks for room, so a decode step that fills a held block never caches it",
+            old="<= self._first_manager.num_cached_block[request_id]",
+            new="<= len(req_blocks)",
+        ),
+        Mutant(
+            "caches_lookahead_slots",
+            "counts the lookahead slots as final tokens: caches a block whose last slots hold drafts",
+            old="min(num_computed_tokens + num_new_tokens, request.num_tokens)",
+            new="min(num_tokens_need_slot, request.num_tokens)",
+        ),
+        Mutant(
+            "caches_scheduled_drafts",
+            "caches up to the end of the scheduled tokens, past request.num_tokens: draft tokens count as final",
+            old="min(num_computed_tokens + num_new_tokens, request.num_tokens)",
+            new="num_computed_tokens + num_new_tokens",
+        ),
+        Mutant(
+            "allocates_the_whole_sequence",
+            "with full_sequence_must_fit, allocates blocks for the whole prompt instead of this chunk's",
+            old="coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)",
+            new="coordinator.allocate_new_blocks(request_id, num_tokens_to_check)",
+        ),
+        Mutant(
+            "skips_remove_skipped_blocks",
+            "never hands back the blocks no query can see (a sliding window's): they stay held",
+            old="        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)\n",
+            new="",
+        ),
+    ],
     "ch03_t1": [
         Mutant(
             "no_chaining",

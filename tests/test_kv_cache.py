@@ -21,6 +21,7 @@ from test_scheduler import FakeModelRunner
 from nano_v1.core.block_pool import BlockPool
 from nano_v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nano_v1.core.kv_cache_utils import (
+    BlockHash,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     get_request_block_hasher,
@@ -28,6 +29,7 @@ from nano_v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
@@ -189,7 +191,105 @@ def test_null_block_is_never_handed_out():
     assert pool.get_usage() == 0.0
 
 
+class PrefixNameHasher:
+    """A stand-in block hasher for chapter 02's tests: a full block's "hash" spells its whole
+    prefix. With it ch02's tests need none of chapter 03's code (the real hasher is ch03_t1)."""
+
+    block_size = BLOCK_SIZE
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        first_end = (len(request.block_hashes) + 1) * BLOCK_SIZE
+        return [
+            BlockHash(repr(request.all_token_ids[:end]).encode())
+            for end in range(first_end, request.num_tokens + 1, BLOCK_SIZE)
+        ]
+
+
+def make_ch02_request(request_id: str, prompt: list[int]) -> Request:
+    hasher = PrefixNameHasher()
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=1000), None, block_hasher=hasher)
+
+
+# ----------------------------------------------------------------------------- ch02_t2: counting blocks
+
+
+def single_type_manager() -> SingleTypeKVCacheManager:
+    """The one group's manager, on a pool of 19 free blocks. ch02_t2's tests call it directly:
+    `allocate_slots`, which calls it, is ch02_t3."""
+    manager = make_manager(num_gpu_blocks=20, max_model_len=100, enable_caching=False)
+    return manager.coordinator.single_type_managers[0]
+
+
+def hold_blocks(single: SingleTypeKVCacheManager, request_id: str, num_blocks: int) -> list[KVCacheBlock]:
+    """Give `request_id` `num_blocks` fresh blocks (ref_cnt 1, out of the free queue)."""
+    single.save_new_computed_blocks(request_id, [])
+    return single.allocate_new_blocks(request_id, num_blocks * BLOCK_SIZE)
+
+
 @pytest.mark.ch02_t2
+@pytest.mark.ch02
+@pytest.mark.parametrize(
+    "num_held, num_hits, num_tokens, num_blocks, why",
+    [
+        pytest.param(
+            0, 0, 5, 2, "5 slots in blocks of 4 take 2 blocks: a partly filled block is still a whole block",
+            id="round_up",
+        ),
+        pytest.param(0, 0, 8, 2, "8 slots fill exactly 2 blocks of 4: no spare block", id="exactly_full"),
+        pytest.param(
+            1, 0, 9, 2, "9 slots take 3 blocks and the request already holds 1: it needs 2 more",
+            id="minus_held",
+        ),
+        pytest.param(
+            0, 2, 9, 1, "9 slots take 3 blocks and its 2 cache hits are 2 of them: it needs 1 more",
+            id="minus_hits",
+        ),
+        pytest.param(
+            3, 0, 5, 0,
+            "5 slots take 2 blocks and the request holds 3 (reserved for last step's lookahead slots): it "
+            "needs none, never a negative count",
+            id="never_negative",
+        ),
+    ],
+)  # fmt: skip
+def test_get_num_blocks_to_allocate_counts_the_blocks_a_request_needs(
+    num_held, num_hits, num_tokens, num_blocks, why
+):
+    single = single_type_manager()
+    # Hits held by another request too (ref_cnt 1): touching them takes nothing from the free queue.
+    hits = hold_blocks(single, "other", num_hits)
+    if num_held:
+        hold_blocks(single, "r", num_held)
+    counted = single.get_num_blocks_to_allocate("r", num_tokens, hits)
+    assert counted == num_blocks, f"{why}; get_num_blocks_to_allocate says {counted}"
+
+
+@pytest.mark.ch02_t2
+@pytest.mark.ch02
+@settings(max_examples=100, deadline=None)
+@given(num_held=st.integers(0, 4), num_hits=st.integers(0, 3), num_tokens=st.integers(1, 30))
+def test_get_num_blocks_to_allocate_against_a_slot_by_slot_count(num_held, num_hits, num_tokens):
+    single = single_type_manager()
+    hits = hold_blocks(single, "other", num_hits)
+    if num_held:
+        hold_blocks(single, "r", num_held)
+    # Brute force: walk the slots in order; a slot past the blocks so far opens one more.
+    num_blocks, num_new = num_held + num_hits, 0
+    for slot in range(num_tokens):
+        if slot // BLOCK_SIZE == num_blocks:
+            num_blocks += 1
+            num_new += 1
+    counted = single.get_num_blocks_to_allocate("r", num_tokens, hits)
+    assert counted == num_new, (
+        f"{num_tokens} slots in blocks of {BLOCK_SIZE}, {num_held} blocks held and {num_hits} cache hits: "
+        f"the slots beyond them open {num_new} new blocks, but get_num_blocks_to_allocate says {counted}"
+    )
+
+
+# ----------------------------------------------------------------------------- ch02_t3: allocate_slots
+
+
+@pytest.mark.ch02_t3
 @pytest.mark.ch02
 @pytest.mark.parametrize(
     "num_computed, num_new, num_lookahead, num_blocks, why",
@@ -209,6 +309,12 @@ def test_null_block_is_never_handed_out():
             id="lookahead_needs_a_block",
         ),
         pytest.param(
+            5, 1, 3, 3,
+            "5 computed + 1 new + 3 lookahead = 9 slots: the new token fits in the 2 blocks held, its lookahead "
+            "slots do not, so the step needs a 3rd block",
+            id="lookahead_past_the_held_blocks",
+        ),
+        pytest.param(
             4, 1, 8, 3,
             "4 + 1 + 8 lookahead = 13 slots, but no position at or past max_model_len = 10 needs one: 3 blocks",
             id="max_model_len",
@@ -219,7 +325,7 @@ def test_allocate_slots_counts_the_blocks_a_request_needs(
     num_computed, num_new, num_lookahead, num_blocks, why
 ):
     manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
-    request = make_request("r", list(range(9)))
+    request = make_ch02_request("r", list(range(9)))
     if num_computed:
         manager.allocate_slots(request, num_computed)
         request.num_computed_tokens = num_computed
@@ -228,35 +334,42 @@ def test_allocate_slots_counts_the_blocks_a_request_needs(
     assert held == num_blocks, f"{why}; the request holds {held}"
 
 
+@pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_allocate_slots_refuses_zero_tokens():
     manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
-    with pytest.raises(ValueError):
-        manager.allocate_slots(make_request("r", list(range(5))), 0)
+    try:
+        manager.allocate_slots(make_ch02_request("r", list(range(5))), 0)
+    except ValueError:
+        return
+    raise AssertionError(
+        "allocate_slots(request, 0) must raise ValueError: a scheduled request computes at least 1 token, "
+        "so 0 tokens is the caller's bug"
+    )
 
 
-@pytest.mark.ch02_t2
+@pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_allocate_slots_admits_exactly_what_fits():
     manager = make_manager(num_gpu_blocks=3, max_model_len=100, enable_caching=False)  # 2 free: block 0 is null
-    full = make_request("full", list(range(8)))
+    full = make_ch02_request("full", list(range(8)))
     assert manager.allocate_slots(full, 8) is not None, (
         "8 tokens in blocks of 4 need exactly 2 blocks, and 2 are free: the request fits and must be admitted"
     )
     manager.free(full)
-    over = make_request("over", list(range(9)))
+    over = make_ch02_request("over", list(range(9)))
     assert manager.allocate_slots(over, 9) is None, (
         "9 tokens need 3 blocks of 4 (a partly filled block is still a whole block) and only 2 are free: refuse"
     )
 
 
-@pytest.mark.ch02_t2
+@pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_allocate_slots_is_all_or_nothing():
     manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)
-    big = make_request("big", list(range(8)))
+    big = make_ch02_request("big", list(range(8)))
     assert manager.allocate_slots(big, 8) is not None, "8 tokens need 2 of the 3 free blocks"
-    greedy = make_request("greedy", list(range(8)))
+    greedy = make_ch02_request("greedy", list(range(8)))
     assert manager.allocate_slots(greedy, 8) is None, "8 tokens need 2 blocks and only 1 is free: None"
     assert block_ids(manager, "greedy") == [] and "greedy" not in group_blocks(manager), (
         "a refused request must hold nothing"
@@ -264,6 +377,152 @@ def test_allocate_slots_is_all_or_nothing():
     assert manager.block_pool.get_num_free_blocks() == 1, "a refused request must take no block"
     manager.free(big)
     assert manager.allocate_slots(greedy, 8) is not None, "with 3 blocks free, 8 tokens fit"
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_allocate_slots_first_drops_the_blocks_no_query_sees(monkeypatch):
+    # Full attention drops nothing; a sliding window (chapter 12) does, through this call.
+    manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)  # 3 free
+    single = manager.coordinator.single_type_managers[0]
+    calls = []
+    drop = single.remove_skipped_blocks
+    monkeypatch.setattr(single, "remove_skipped_blocks", lambda *args: (calls.append(args), drop(*args)))
+    request = make_ch02_request("r", list(range(16)))
+    manager.allocate_slots(request, 8)
+    request.num_computed_tokens = 8
+    assert manager.allocate_slots(request, 8) is None, "16 slots need 4 blocks; the pool has 3"
+    assert calls == [("r", 0), ("r", 8)], (
+        f"allocate_slots called remove_skipped_blocks with {calls}: each call must first hand back the blocks "
+        "no query from request.num_computed_tokens on can see (0, then 8), even one that is then refused"
+    )
+
+
+def admit_and_free_a_prefix(manager: KVCacheManager) -> list[KVCacheBlock]:
+    """Request "a" computes tokens 0-8 (blocks 1, 2, 3) and finishes: blocks 1 and 2, full, stay
+    cached in the free queue, the cache hits of a request that starts with tokens 0-7."""
+    a = make_ch02_request("a", list(range(9)))
+    manager.allocate_slots(a, 9)
+    hits = group_blocks(manager)["a"][:2]
+    manager.free(a)
+    assert all(block.block_hash is not None for block in hits), (
+        "a request that computed tokens 0-8 must cache its 2 full blocks"
+    )
+    return hits
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_admission_touches_its_hits_and_counts_their_tokens():
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
+    hits = admit_and_free_a_prefix(manager)  # the free queue: 4-9, then a's 3, 2, 1
+    b = make_ch02_request("b", list(range(8)) + [50, 51, 52])
+    fresh = manager.allocate_slots(b, 3, 8, KVCacheBlocks((hits,)))
+    handed_out = None if fresh is None else ids_of(fresh)
+    assert handed_out == [4], (
+        f"b's 2 cache hits hold tokens 0-7 and it computes tokens 8-10: 11 slots need 3 blocks, the 2 hits and "
+        f"1 fresh one (block 4, the front of the free queue); allocate_slots handed out {handed_out}"
+    )
+    assert block_ids(manager, "b") == [1, 2, 4], "b's block list is its 2 hits, then its fresh block"
+    free_queue = queue_ids(manager.block_pool.free_block_queue)
+    for block in hits:
+        assert block.ref_cnt == 1 and block.block_id not in free_queue, (
+            f"hit block {block.block_id} has ref_cnt {block.ref_cnt} and is "
+            f"{'' if block.block_id in free_queue else 'not '}in the free queue: admitting b must touch its hits "
+            "(ref_cnt 1, out of the queue), or the pool hands them out while b reads them"
+        )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_a_refused_admission_leaves_its_hits_in_the_free_queue():
+    manager = make_manager(num_gpu_blocks=5, max_model_len=100)  # 4 free
+    hits = admit_and_free_a_prefix(manager)  # the free queue: 4, then a's 3, 2, 1
+    b = make_ch02_request("b", list(range(8)) + list(range(50, 60)))
+    before = snapshot(manager)
+    fresh = manager.allocate_slots(b, 10, 8, KVCacheBlocks((hits,)))
+    assert fresh is None, (
+        "b's 18 slots need 5 blocks, its 2 hits and 3 fresh ones, and the pool has 4 free blocks, the hits among "
+        "them: refuse"
+    )
+    assert snapshot(manager) == before, (
+        "a refused admission must change nothing: b's hits stay in the free queue with ref_cnt 0 (touch them only "
+        "once everything fits)"
+    )
+    c = make_ch02_request("c", list(range(8)) + list(range(50, 55)))
+    assert manager.allocate_slots(c, 5, 8, KVCacheBlocks((hits,))) is not None, (
+        "c's 13 slots need 4 blocks, its 2 hits and 2 fresh ones: with the hits still in the free queue, the "
+        "pool's 4 free blocks are exactly enough"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_only_final_tokens_are_cached():
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
+    chunked = make_ch02_request("chunked", list(range(12)))
+    manager.allocate_slots(chunked, 3, num_lookahead_tokens=1)
+    (block,) = group_blocks(manager)["chunked"]
+    assert block.block_hash is None, (
+        "a chunk of 3 prompt tokens and 1 lookahead slot fills block 0, but with 3 final tokens: the 4th slot "
+        "holds a draft, not prompt token 3, so block 0 must not be cached yet"
+    )
+    decoding = make_ch02_request("decoding", list(range(8)))
+    manager.allocate_slots(decoding, 8)
+    decoding.num_computed_tokens = 8
+    decoding.append_output_token_ids(60)
+    try:
+        manager.allocate_slots(decoding, 1 + 3)  # the sampled token and 3 draft tokens to verify
+    except AssertionError as error:
+        raise AssertionError(
+            f"allocate_slots failed a check ({error}) in the step that verifies 3 draft tokens, which complete "
+            "block 2: drafts are not final tokens (request.num_tokens does not count them), so no block they "
+            "fill may be cached"
+        ) from error
+    hashed = [b.block_hash is not None for b in group_blocks(manager)["decoding"]]
+    assert hashed == [True, True, False], (
+        f"the blocks with hashes are {hashed}: block 2 holds token 8 and 3 draft tokens that may be rejected, "
+        "so only blocks 0 and 1 may be cached"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_a_decode_step_that_fills_a_block_caches_it():
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
+    request = make_ch02_request("r", list(range(6)))
+    manager.allocate_slots(request, 6)  # 2 blocks; block 0 full and cached
+    for token in (60, 61):  # decode tokens 6 and 7
+        request.num_computed_tokens = request.num_tokens
+        request.append_output_token_ids(token)
+        fresh = manager.allocate_slots(request, 1)
+        assert fresh is not None and ids_of(fresh) == [], (
+            f"token {request.num_computed_tokens} fits in block 1, which the request holds: no new block"
+        )
+    hashed = [b.block_hash is not None for b in group_blocks(manager)["r"]]
+    assert hashed == [True, True], (
+        f"the blocks with hashes are {hashed}: the step that computes token 7 fills block 1; it needs no new "
+        "block, but it must cache block 1 so that later requests can hit it"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_full_sequence_must_fit_checks_the_whole_prompt_but_allocates_the_chunk():
+    manager = make_manager(num_gpu_blocks=5, max_model_len=100, enable_caching=False)  # 4 free
+    too_long = make_ch02_request("too_long", list(range(20)))
+    assert manager.allocate_slots(too_long, 4, full_sequence_must_fit=True) is None, (
+        "the prompt's 20 tokens need 5 blocks and 4 are free: with full_sequence_must_fit even its first "
+        "chunk of 4 is refused"
+    )
+    fits = make_ch02_request("fits", list(range(16)))
+    fresh = manager.allocate_slots(fits, 4, full_sequence_must_fit=True)
+    handed_out = None if fresh is None else ids_of(fresh)
+    assert handed_out == [1], (
+        f"the prompt's 16 tokens fit in the 4 free blocks and its first chunk of 4 takes 1 of them, but "
+        f"allocate_slots handed out {handed_out}: full_sequence_must_fit checks the whole prompt and allocates "
+        "only this chunk"
+    )
 
 
 # ----------------------------------------------------------------------------- the reference model
@@ -419,12 +678,14 @@ def draw_prompt(data) -> list[int]:
 def run_random_workload(data, enable_caching: bool, num_gpu_blocks: int, max_model_len: int = 40) -> None:
     manager = make_manager(num_gpu_blocks, max_model_len, enable_caching)
     model = ReferenceCache(num_gpu_blocks, enable_caching)
+    # Blocks cached for real (chapter 03) need the real hasher; without caching, ch02's will do.
+    new_request = make_request if enable_caching else make_ch02_request
     live: dict[str, Request] = {}
     next_id = 0
     for _ in range(data.draw(st.integers(1, 40))):
         op = data.draw(st.sampled_from(["admit", "admit", "step", "step", "step", "free", "reset", "common"]))
         if op == "admit":
-            request = make_request(f"r{next_id}", draw_prompt(data))
+            request = new_request(f"r{next_id}", draw_prompt(data))
             next_id += 1
             hits, num_hit_tokens = manager.get_computed_blocks(request)
             num_hit_blocks = model.longest_hit(request.all_token_ids)
@@ -539,7 +800,7 @@ def check_refused(manager: KVCacheManager, fresh: KVCacheBlocks | None, before) 
     assert snapshot(manager) == before, "a refused allocate_slots must change nothing"
 
 
-@pytest.mark.ch02_t2
+@pytest.mark.ch02_t3
 @pytest.mark.ch02
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_gpu_blocks=st.integers(2, 24))

@@ -145,6 +145,7 @@ class KVCacheManager:
           * a request being admitted (new or resumed after preemption): its whole
             lists, `get_blocks(request_id)`, which start with the cache hits.
         """
+        # BEGIN TASK ch02_t3: a slot for every token in every group, or None and nothing changed (no undo); cache final tokens only
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         request_id = request.request_id
@@ -196,6 +197,7 @@ class KVCacheManager:
             # lookahead slots hold draft tokens that may still be rejected.
             coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks)
+        # END TASK
 
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group (finished, aborted or preempted) and forget it."""
