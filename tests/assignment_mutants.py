@@ -624,6 +624,97 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="output = UtilityOutput(0)",
         ),
     ],
+    "ch09_t3": [
+        Mutant(
+            "stop_not_aborted",
+            "never asks the core to abort a request a stop string ended: the core generates on to max_tokens",
+            old="""                    if not out.finished:
+                        reqs_to_abort.append(out.request_id)  # the core still runs it
+""",
+            new="",
+        ),
+        Mutant(
+            "aborts_what_the_core_finished",
+            "asks the core to abort a stop-string request even when the core finished it in the same step",
+            old="""                    if not out.finished:
+                        reqs_to_abort.append(out.request_id)  # the core still runs it
+""",
+            new="""                    reqs_to_abort.append(out.request_id)
+""",
+        ),
+        Mutant(
+            "stop_str_inclusion_inverted",
+            "keeps the stop string in the text without include_stop_str_in_output, and drops it with it",
+            old="text[: idx + len(stop_str)] if state.include_stop_str_in_output else text[:idx]",
+            new="text[:idx] if state.include_stop_str_in_output else text[: idx + len(stop_str)]",
+        ),
+        Mutant(
+            "new_tokens_for_new_characters",
+            "searches back from the end by the number of new tokens, not new characters: misses a stop "
+            "string that ends inside a step's new text",
+            old="find_stop_string(text, len(delta), state.stop)",
+            new="find_stop_string(text, len(out.new_token_ids), state.stop)",
+        ),
+        Mutant(
+            "searches_only_the_new_text",
+            "looks for stop strings in this step's new text alone: misses one that began in an earlier step, "
+            "and cuts the text at an index into the new text",
+            old="find_stop_string(text, len(delta), state.stop)",
+            new="find_stop_string(delta, len(delta), state.stop)",
+        ),
+        Mutant(
+            "no_hold_back",
+            "shows a running request's whole text: the start of a stop string is streamed, and cannot be "
+            "taken back when the stop string completes",
+            old="            text = state.visible_text(text, finished=finish_reason is not None)\n",
+            new="",
+        ),
+        Mutant(
+            "holds_back_after_a_stop",
+            "treats a request a stop string ended as still running (only the core's finish counts), so "
+            "its final text loses the held-back tail",
+            old="state.visible_text(text, finished=finish_reason is not None)",
+            new="state.visible_text(text, finished=out.finished)",
+        ),
+        Mutant(
+            "finished_state_kept",
+            "never frees a finished request's state: the processor leaks it and counts it as unfinished",
+            old="                del self.request_states[out.request_id]\n",
+            new="",
+        ),
+        Mutant(
+            "parent_freed_with_first_child",
+            "frees the parent when its first child finishes, while the others still run",
+            old="""                if parent.finished():
+                    del self.parent_requests[parent.request_id]
+""",
+            new="""                del self.parent_requests[parent.request_id]
+""",
+        ),
+        Mutant(
+            "final_only_streams",
+            "sends FINAL_ONLY requests an output every step instead of one when all n completions finish",
+            old="if parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished():",
+            new="if True:",
+        ),
+        Mutant(
+            "stats_not_counted",
+            "never counts the outputs in iteration_stats: no tokens, TTFTs or inter-token latencies",
+            old="""            if iteration_stats is not None:
+                iteration_stats.update_from_output(
+                    len(out.new_token_ids), len(parent.prompt_token_ids), state.stats
+                )
+""",
+            new="",
+        ),
+        Mutant(
+            "late_output_crashes",
+            "looks up each output's state with [] : an output of a request already finished or aborted "
+            "here (the core had not seen the abort yet) raises KeyError",
+            old="state = self.request_states.get(out.request_id)",
+            new="state = self.request_states[out.request_id]",
+        ),
+    ],
     "ch10_t1": [
         Mutant(
             "no_preference_for_k_known_tokens",

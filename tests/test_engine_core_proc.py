@@ -309,6 +309,7 @@ def test_a_failing_utility_call_is_answered_and_the_core_lives_on():
     assert core.output_queue.get_nowait().utility_output == UtilityOutput(3, result=2), (
         "after failed calls the core must go on answering"
     )
+@pytest.mark.ch09_t3
 @pytest.mark.parametrize("stop_len", range(1, 13))
 def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop_len):
     """The held-back tail (a stop string may have begun there) never sends a character twice.
@@ -330,7 +331,10 @@ def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop
         outputs = processor.process_outputs([EngineCoreOutput("r", [token_id], finish_reason=finish_reason)])
         (output,) = outputs.request_outputs
         streamed += output.outputs[0].text
-    assert streamed == tokenizer.decode(token_ids)
+    assert streamed == tokenizer.decode(token_ids), (
+        f"with a {stop_len}-character stop string that never matches, the streamed deltas must add up "
+        f"to the whole text, each character sent once: got {streamed!r}"
+    )
 
 
 def test_a_burst_of_3000_requests_all_finish(llms, monkeypatch):

@@ -132,22 +132,53 @@ class OutputProcessor:
     def process_outputs(
         self, engine_core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
     ) -> OutputProcessorOutput:
-        """Detokenize one step's outputs into `RequestOutput`s; count them in `iteration_stats` if given."""
+        """Turn one step's engine-core outputs into the users' `RequestOutput`s.
+
+        Each output belongs to one engine-core request. One of a request this processor no
+        longer holds is dropped: the user aborted it, or a stop string ended it here before the
+        core saw the abort. For the others, in order:
+
+        - count it in `iteration_stats`, if given (`IterationStats.update_from_output`);
+        - append its token ids (and logprobs, if the request asked for them) to the request's
+          state, and detokenize the new ones (`IncrementalDetokenizer.update`);
+        - look for a stop string that the new text completes; it may have begun in an earlier
+          step (`find_stop_string`). A hit finishes the request here, with finish reason "stop"
+          and the stop string as stop reason, even if the core finished it for another reason
+          in this step; its text ends before the stop string, or after it with
+          `include_stop_str_in_output`;
+        - record the completion in its parent (`ParentRequest`: the user's request, which
+          `n > 1` children share): the text so far less a running request's held-back tail
+          (`RequestState.visible_text`), every token id (and logprob) so far, the finish and
+          stop reasons; the parent keeps the largest `num_cached_tokens` its children report;
+        - free a finished request's state, and its parent's once every child has finished.
+
+        Then one `RequestOutput` per user request that got output in this step, in the order
+        of their first outputs (`_make_request_output`: DELTA sends what is new, CUMULATIVE
+        everything so far); a FINAL_ONLY request gets only its final one, once all n
+        completions are finished.
+
+        `reqs_to_abort` lists the requests a stop string finished here while the core still
+        runs them: the core would otherwise go on generating, and holding their KV blocks,
+        until max_tokens. Not those the core finished itself: it has freed them already, and
+        an ABORT sent after their id is reused would end the new request.
+        """
+        # BEGIN TASK ch09_t3: this step's text, stop strings and outputs per user request; what a stop string ends, the core must abort
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
-        touched: dict[str, ParentRequest] = {}
+        touched: dict[str, ParentRequest] = {}  # the parents of this step's outputs, in order
         for out in engine_core_outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
-                continue  # aborted by the user meanwhile
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+                continue  # aborted meanwhile, by the user or after a stop string
+            parent = state.parent
             if iteration_stats is not None:
                 iteration_stats.update_from_output(
-                    len(out.new_token_ids), len(state.parent.prompt_token_ids), state.stats
+                    len(out.new_token_ids), len(parent.prompt_token_ids), state.stats
                 )
             state.token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and out.new_logprobs:
                 state.logprobs.extend(out.new_logprobs)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
             delta = state.detokenizer.update(out.new_token_ids)
             text = state.detokenizer.output_text
             if state.stop and delta:
@@ -157,9 +188,8 @@ class OutputProcessor:
                     text = text[: idx + len(stop_str)] if state.include_stop_str_in_output else text[:idx]
                     finish_reason, stop_reason = "stop", stop_str
                     if not out.finished:
-                        reqs_to_abort.append(out.request_id)
+                        reqs_to_abort.append(out.request_id)  # the core still runs it
             text = state.visible_text(text, finished=finish_reason is not None)
-            parent = state.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             parent.completions[state.index] = CompletionOutput(
                 index=state.index,
@@ -172,18 +202,17 @@ class OutputProcessor:
             touched[parent.request_id] = parent
             if finish_reason is not None:
                 del self.request_states[out.request_id]
+                if parent.finished():
+                    del self.parent_requests[parent.request_id]
         for parent in touched.values():
-            output = self._make_request_output(parent)
-            if output is not None:
-                request_outputs.append(output)
-            if parent.finished():
-                del self.parent_requests[parent.request_id]
+            if parent.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished():
+                request_outputs.append(self._make_request_output(parent))
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+        # END TASK
 
-    def _make_request_output(self, parent: ParentRequest) -> RequestOutput | None:
-        finished = parent.finished()
-        if parent.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
+    def _make_request_output(self, parent: ParentRequest) -> RequestOutput:
+        """The parent's output now: per completion, DELTA's new tokens and text since the last
+        output, else everything so far."""
         completions = []
         for c in parent.completions:
             if c is None:
@@ -201,6 +230,6 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
-            finished=finished,
+            finished=parent.finished(),
             num_cached_tokens=parent.num_cached_tokens,
         )
