@@ -263,7 +263,7 @@ def _what_it_is_instead(got: torch.Tensor, step: SharedPrefixStep, r: int) -> st
     q, k, v = step.q[step.rows(r)], step.keys[r], step.values[r]
     computed, p = step.computed[r], step.prefix_len
     if _close(got, float64_attention(q, k[p:], v[p:], computed - p, SCALE)):
-        return "; it is attention over the request's own blocks alone: the shared prefix is left out"
+        return "; it is attention over the request's own blocks alone: the prefix is left out or masked"
     if _close(got, float64_attention(q, k[:p], v[:p], computed, SCALE)):
         return "; it is attention over the shared prefix alone: the request's own blocks are left out"
     if step.query_lens[r] > 1 and _close(got, float64_attention(q, k, v, len(k), SCALE)):
@@ -304,15 +304,16 @@ def test_cascade_equals_plain_and_float64(prefix_blocks, group, plans):
     impl = TorchReferenceImpl(step.q.shape[1], HEAD_SIZE, SCALE, NUM_KV_HEADS)
     cascade_metadata = builder.build(step.prefix_len, step.common)
     plain_metadata = builder.build(0, step.common)
-    assert cascade_metadata.use_cascade
-    assert cascade_metadata.suffix_kv_lens.tolist() == [
-        c + q - step.prefix_len for c, q in zip(step.computed, step.query_lens)
-    ]
+    suffix_kv_lens = [c + q - step.prefix_len for c, q in zip(step.computed, step.query_lens)]
+    assert cascade_metadata.use_cascade and cascade_metadata.suffix_kv_lens.tolist() == suffix_kv_lens, (
+        "given a common prefix, the builder must cascade, with suffix_kv_lens = seq_lens - common_prefix_len"
+    )
     if plans == "kernel_plans":
         cascade_metadata = dataclasses.replace(cascade_metadata, batch_split=None, prefix_batch_split=None)
     cascade_out = torch.full_like(step.q, float("nan"))
     impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, cascade_metadata, cascade_out)
-    assert_is_attention_over_the_whole_context(cascade_out, step, f"cascade (reference kernels, {plans})")
+    how = "the builder's plans" if plans == "builder_plans" else "no plans: each pass plans from its lengths"
+    assert_is_attention_over_the_whole_context(cascade_out, step, f"cascade (reference kernels, {how})")
 
     plain_out = torch.full_like(step.q, float("nan"))
     impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, plain_metadata, plain_out)
@@ -459,8 +460,9 @@ def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
     )
     wrong = [r for r in range(8) if got[r] != expected[r]]
     assert not wrong, (
-        f"with cascade on every decode step, requests {wrong} generate other greedy tokens than "
-        f"transformers: request {wrong[0]} got {got[wrong[0]]}, expected {expected[wrong[0]]}"
+        f"with cascade on every decode step (the prefill, which gives the first token, does not cascade), "
+        f"requests {wrong} generate other greedy tokens than transformers: request {wrong[0]} got "
+        f"{got[wrong[0]]}, expected {expected[wrong[0]]}"
     )
 
 
