@@ -500,6 +500,57 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="cascade_time = num_prefix_tiles",
         ),
     ],
+    "ch07_t3": [
+        Mutant(
+            "causal_prefix_pass",
+            "masks the prefix pass causally, as if the batch's queries were one request's last tokens",
+            old="        causal=False,\n",
+            new="        causal=True,\n",
+        ),
+        Mutant(
+            "suffix_pass_not_causal",
+            "runs the suffix pass without a mask: a chunk's queries see the keys after them",
+            old="        causal=True,\n",
+            new="        causal=False,\n",
+        ),
+        Mutant(
+            "suffix_from_block_zero",
+            "gives the suffix pass the whole block table, so it reads the prefix blocks as the suffix",
+            old="block_table=block_table[:, num_common_kv_blocks:],",
+            new="block_table=block_table,",
+        ),
+        Mutant(
+            "suffix_counts_the_prefix",
+            "gives the suffix pass each request's whole context length, counting the prefix twice",
+            old="seqused_k=suffix_kv_lens,",
+            new="seqused_k=suffix_kv_lens + common_prefix_len,",
+        ),
+        Mutant(
+            "prefix_pass_of_the_first_request",
+            "runs the prefix pass over the first request's queries only",
+            old="cu_seqlens_q=cu_prefix_query_lens,",
+            new="cu_seqlens_q=cu_query_lens[:2],",
+        ),
+        Mutant(
+            "outputs_with_the_other_lse",
+            "merges each pass's output with the other pass's log-sum-exp",
+            old="ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)",
+            new="ops.merge_attn_states(output, prefix_output, suffix_lse, suffix_output, prefix_lse)",
+        ),
+        Mutant(
+            "suffix_pass_only",
+            "copies the suffix pass to the output without the merge: the shared prefix is left out",
+            old="ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)",
+            new="output.copy_(suffix_output)",
+        ),
+        Mutant(
+            "returns_before_the_merge",
+            "returns the suffix pass's output and never writes `output`, which the caller reads",
+            old="    ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)\n"
+            "    return output\n",
+            new="    return suffix_output\n",
+        ),
+    ],
     "ch08_t1": [
         Mutant(
             "op_joins_the_piece_before",

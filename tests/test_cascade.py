@@ -7,8 +7,10 @@ greedy tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -117,6 +119,7 @@ def test_rule_by_hand(prefix, num_reqs, heads, kv_heads, sms, expected):
 NUM_KV_HEADS = 2
 BLOCK_SIZE = 8
 HEAD_SIZE = 32
+SCALE = HEAD_SIZE**-0.5
 
 
 def float64_attention(q, k, v, num_computed: int, scale: float) -> torch.Tensor:
@@ -130,15 +133,16 @@ def float64_attention(q, k, v, num_computed: int, scale: float) -> torch.Tensor:
     return o.transpose(0, 1)  # [Lq, Hq, D]
 
 
-def _shared_prefix_batch(rng: np.random.Generator, num_reqs: int):
-    """Requests whose first `prefix_blocks` blocks are the same blocks; (computed beyond prefix, queries)."""
-    own_computed, query_lens = [], []
+def _shared_prefix_batch(rng: np.random.Generator, num_reqs: int) -> tuple[list[str], list[int], list[int]]:
+    """Requests behind a shared prefix: (kind, tokens computed beyond the prefix, queries) of each."""
+    kinds, own_computed, query_lens = [], [], []
     for r in range(num_reqs):
         kind = (
-            ["decode", "chunk", "first_chunk_after_prefix"][r % 3]
+            ["decode", "chunk", "first_chunk_after_prefix"][r]
             if r < 3
-            else rng.choice(["decode", "chunk"])
+            else str(rng.choice(["decode", "chunk"]))
         )
+        kinds.append(kind)
         if kind == "decode":
             own_computed.append(int(rng.integers(0, 30)))
             query_lens.append(1)
@@ -148,36 +152,65 @@ def _shared_prefix_batch(rng: np.random.Generator, num_reqs: int):
         else:  # num_computed_tokens equals the prefix exactly: the suffix is this step's queries
             own_computed.append(0)
             query_lens.append(int(rng.integers(2, 20)))
-    return own_computed, query_lens
+    return kinds, own_computed, query_lens
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("prefix_blocks", [1, 3, 8])
-def test_cascade_equals_plain_and_float64(prefix_blocks, group):
-    rng = np.random.default_rng(prefix_blocks * 10 + group)
-    torch.manual_seed(prefix_blocks * 10 + group)
-    num_heads = NUM_KV_HEADS * group
+@dataclass
+class SharedPrefixStep:
+    """One step of requests whose block tables start with the same blocks.
+
+    The cache holds every request's earlier context (unwritten slots are NaN, so reading
+    one poisons the output); this step's keys and values (`new_k`, `new_v`) go through the
+    backend. `keys` and `values` keep each request's whole context contiguous, for the oracle.
+    """
+
+    prefix_len: int
+    kinds: list[str]
+    computed: list[int]  # num_computed_tokens, prefix included
+    query_lens: list[int]
+    keys: list[torch.Tensor]  # per request [seq_len, num_kv_heads, head_size]
+    values: list[torch.Tensor]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    new_k: torch.Tensor  # [num_tokens, num_kv_heads, head_size]
+    new_v: torch.Tensor
+    q: torch.Tensor  # [num_tokens, num_heads, head_size]
+    common: CommonAttentionMetadata
+
+    def rows(self, r: int) -> slice:
+        start = sum(self.query_lens[:r])
+        return slice(start, start + self.query_lens[r])
+
+    def describe(self, r: int) -> str:
+        own = self.computed[r] - self.prefix_len
+        what = "a decode" if self.kinds[r] == "decode" else f"{self.query_lens[r]} queries"
+        after = "right after the prefix" if own == 0 else f"after {own} tokens of its own"
+        return f"request {r} ({what} {after}, behind the shared {self.prefix_len}-token prefix)"
+
+
+def make_shared_prefix_step(prefix_blocks: int, group: int, seed: int) -> SharedPrefixStep:
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
     prefix_len = prefix_blocks * BLOCK_SIZE
-    own_computed, query_lens = _shared_prefix_batch(rng, num_reqs=int(rng.integers(5, 10)))
+    kinds, own_computed, query_lens = _shared_prefix_batch(rng, num_reqs=int(rng.integers(5, 10)))
     num_reqs = len(query_lens)
     computed = [prefix_len + c for c in own_computed]
     seq_lens = [c + q for c, q in zip(computed, query_lens)]
 
     # Block table: the same prefix blocks in every row, then each request's own shuffled blocks.
+    # Rows are padded with a spare block that is never written, as wide as the runner's are:
+    # a pass that reads past a request's context reads NaN (and stays in the table).
     own_blocks = [-(-(s - prefix_len) // BLOCK_SIZE) for s in seq_lens]
     num_blocks = prefix_blocks + sum(own_blocks) + 3
     ids = rng.permutation(num_blocks)
-    max_blocks = prefix_blocks + max(own_blocks) + 1
-    block_table = torch.full(
-        (num_reqs, max_blocks), int(ids[-1]), dtype=torch.int32
-    )  # padding: a spare block
+    max_blocks = 2 * prefix_blocks + max(own_blocks) + 1
+    block_table = torch.full((num_reqs, max_blocks), int(ids[-1]), dtype=torch.int32)
     block_table[:, :prefix_blocks] = torch.from_numpy(ids[:prefix_blocks])
     start = prefix_blocks
     for r, n in enumerate(own_blocks):
         block_table[r, prefix_blocks : prefix_blocks + n] = torch.from_numpy(ids[start : start + n])
         start += n
 
-    # The context: the prefix once, then each request's own tokens. Unwritten slots are NaN.
+    # The context: the prefix once, then each request's own tokens.
     prefix_k, prefix_v = torch.randn(2, prefix_len, NUM_KV_HEADS, HEAD_SIZE)
     keys = [torch.cat([prefix_k, torch.randn(s - prefix_len, NUM_KV_HEADS, HEAD_SIZE)]) for s in seq_lens]
     values = [torch.cat([prefix_v, torch.randn(s - prefix_len, NUM_KV_HEADS, HEAD_SIZE)]) for s in seq_lens]
@@ -191,10 +224,6 @@ def test_cascade_equals_plain_and_float64(prefix_blocks, group):
     for r in range(num_reqs):  # the earlier steps' context; this step's tokens go through the backend
         flat[0, slots(r, range(computed[r]))] = keys[r][: computed[r]]
         flat[1, slots(r, range(computed[r]))] = values[r][: computed[r]]
-    slot_mapping = torch.cat([slots(r, range(computed[r], seq_lens[r])) for r in range(num_reqs)])
-    new_k = torch.cat([keys[r][computed[r] :] for r in range(num_reqs)])
-    new_v = torch.cat([values[r][computed[r] :] for r in range(num_reqs)])
-
     num_tokens = sum(query_lens)
     query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
     common = CommonAttentionMetadata(
@@ -208,25 +237,106 @@ def test_cascade_equals_plain_and_float64(prefix_blocks, group):
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_table_tensor=block_table,
-        slot_mapping=slot_mapping,
+        slot_mapping=torch.cat([slots(r, range(computed[r], seq_lens[r])) for r in range(num_reqs)]),
     )
+    return SharedPrefixStep(
+        prefix_len=prefix_len,
+        kinds=kinds,
+        computed=computed,
+        query_lens=query_lens,
+        keys=keys,
+        values=values,
+        kv_cache=kv_cache,
+        new_k=torch.cat([keys[r][computed[r] :] for r in range(num_reqs)]),
+        new_v=torch.cat([values[r][computed[r] :] for r in range(num_reqs)]),
+        q=torch.randn(num_tokens, NUM_KV_HEADS * group, HEAD_SIZE),
+        common=common,
+    )
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return bool(torch.isclose(got, expected, atol=1e-5, rtol=1e-5).all())
+
+
+def _what_it_is_instead(got: torch.Tensor, step: SharedPrefixStep, r: int) -> str:
+    """What a wrong output of request r is, where it is a likely mistake's; else ''."""
+    q, k, v = step.q[step.rows(r)], step.keys[r], step.values[r]
+    computed, p = step.computed[r], step.prefix_len
+    if _close(got, float64_attention(q, k[p:], v[p:], computed - p, SCALE)):
+        return "; it is attention over the request's own blocks alone: the prefix is left out or masked"
+    if _close(got, float64_attention(q, k[:p], v[:p], computed, SCALE)):
+        return "; it is attention over the shared prefix alone: the request's own blocks are left out"
+    if step.query_lens[r] > 1 and _close(got, float64_attention(q, k, v, len(k), SCALE)):
+        return "; its queries see the keys after their own positions: the suffix pass must be causal"
+    return ""
+
+
+def assert_is_attention_over_the_whole_context(out: torch.Tensor, step: SharedPrefixStep, path: str) -> None:
+    """Each request's rows of `out` against float64 attention over its contiguous context."""
+    for r in range(len(step.query_lens)):
+        got = out[step.rows(r)].double()
+        where = f"{path}: {step.describe(r)}"
+        assert not got.isnan().any(), (
+            f"{where}: its output holds NaN: something it used was never written (a cache slot "
+            "outside its context, rows a pass skipped, or `output` itself), or a pass hid every key "
+            "from a query"
+        )
+        expected = float64_attention(
+            step.q[step.rows(r)], step.keys[r], step.values[r], step.computed[r], SCALE
+        )
+        error = (got - expected).abs().max().item()
+        assert _close(got, expected), (
+            f"{where}: its output differs from float64 attention over prefix + suffix by {error:.2g} "
+            f"(tolerance 1e-5){_what_it_is_instead(got, step, r)}"
+        )
+
+
+@pytest.mark.parametrize("plans", ["builder_plans", "kernel_plans"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("prefix_blocks", [1, 3, 8])
+@pytest.mark.ch07_t3
+def test_cascade_equals_plain_and_float64(prefix_blocks, group, plans):
+    """Through the TORCH_REFERENCE backend (builder, cache write, cascade). With `kernel_plans`
+    the reference kernels get no host-side plans and make their own from the query ranges
+    and key lengths each pass is given, as the Triton kernels read them."""
+    step = make_shared_prefix_step(prefix_blocks, group, seed=prefix_blocks * 10 + group)
     builder = TorchReferenceMetadataBuilder(torch.device("cpu"))
-    impl = TorchReferenceImpl(num_heads, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS)
-    q = torch.randn(num_tokens, num_heads, HEAD_SIZE)
+    impl = TorchReferenceImpl(step.q.shape[1], HEAD_SIZE, SCALE, NUM_KV_HEADS)
+    cascade_metadata = builder.build(step.prefix_len, step.common)
+    plain_metadata = builder.build(0, step.common)
+    suffix_kv_lens = [c + q - step.prefix_len for c, q in zip(step.computed, step.query_lens)]
+    assert cascade_metadata.use_cascade and cascade_metadata.suffix_kv_lens.tolist() == suffix_kv_lens, (
+        "given a common prefix, the builder must cascade, with suffix_kv_lens = seq_lens - common_prefix_len"
+    )
+    if plans == "kernel_plans":
+        cascade_metadata = dataclasses.replace(cascade_metadata, batch_split=None, prefix_batch_split=None)
+    cascade_out = torch.full_like(step.q, float("nan"))
+    impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, cascade_metadata, cascade_out)
+    how = "the builder's plans" if plans == "builder_plans" else "no plans: each pass plans from its lengths"
+    assert_is_attention_over_the_whole_context(cascade_out, step, f"cascade (reference kernels, {how})")
 
-    cascade_metadata = builder.build(prefix_len, common)
-    assert cascade_metadata.use_cascade
-    assert cascade_metadata.suffix_kv_lens.tolist() == [s - prefix_len for s in seq_lens]
-    cascade_out = torch.full_like(q, float("nan"))
-    impl.forward(None, q, new_k, new_v, kv_cache, cascade_metadata, cascade_out)
-    plain_out = torch.full_like(q, float("nan"))
-    impl.forward(None, q, new_k, new_v, kv_cache, builder.build(0, common), plain_out)
+    plain_out = torch.full_like(step.q, float("nan"))
+    impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, plain_metadata, plain_out)
+    error = (cascade_out - plain_out).abs().max().item()
+    assert _close(cascade_out, plain_out), (
+        f"cascade and plain attention differ by {error:.2g} (tolerance 1e-5)"
+    )
 
-    torch.testing.assert_close(cascade_out, plain_out, atol=1e-5, rtol=1e-5)
-    for r in range(num_reqs):
-        rows = slice(int(query_start_loc[r]), int(query_start_loc[r + 1]))
-        expected = float64_attention(q[rows], keys[r], values[r], computed[r], HEAD_SIZE**-0.5)
-        torch.testing.assert_close(cascade_out[rows].double(), expected, atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.ch07_t3
+def test_cascade_with_triton_kernels_equals_float64(group):
+    """The FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's interpreter on a CPU),
+    which read every length and query range from the tensors cascade passes them."""
+    pytest.importorskip(
+        "nano_v1.attention.ops.triton_unified_attention", reason="the Triton kernels (chapter 06)"
+    )
+    step = make_shared_prefix_step(prefix_blocks=2, group=group, seed=70 + group)
+    metadata = FlashAttentionMetadataBuilder(torch.device("cpu")).build(step.prefix_len, step.common)
+    impl = flash_attn.FlashAttentionImpl(step.q.shape[1], HEAD_SIZE, SCALE, NUM_KV_HEADS)
+    out = torch.full_like(step.q, float("nan"))
+    impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, metadata, out)
+    assert_is_attention_over_the_whole_context(out, step, "cascade (Triton kernels)")
 
 
 # ---------------------------------------------------------------- the prefix length
@@ -328,6 +438,7 @@ def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, mon
     assert calls
 
 
+@pytest.mark.ch07_t3
 def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
     """No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
     from conftest import make_tiny_checkpoint
@@ -342,9 +453,17 @@ def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=4)[:, 257:].tolist()
-    assert got == expected
     # The first step prefills (nothing computed yet: no cascade); every decode step cascades.
-    assert calls and set(calls) == {256}
+    assert calls and set(calls) == {256}, (
+        f"every decode step of 8 requests behind 256 shared tokens must cascade over them; "
+        f"cascade_attention ran with prefix lengths {calls}"
+    )
+    wrong = [r for r in range(8) if got[r] != expected[r]]
+    assert not wrong, (
+        f"with cascade on every decode step (the prefill, which gives the first token, does not cascade), "
+        f"requests {wrong} generate other greedy tokens than transformers: request {wrong[0]} got "
+        f"{got[wrong[0]]}, expected {expected[wrong[0]]}"
+    )
 
 
 def test_triton_attn_never_cascades():

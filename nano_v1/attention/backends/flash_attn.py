@@ -358,6 +358,7 @@ def cascade_attention(
     attends causally to its blocks after the prefix. Each pass returns its log-sum-exp,
     and `merge_attn_states` combines them into attention over the whole context.
     """
+    # BEGIN TASK ch07_t3: read the shared prefix once for the whole batch, then each suffix; merge the two
     num_tokens = query.shape[0]
     block_size = key_cache.shape[1]
     assert common_prefix_len % block_size == 0, "the shared prefix is made of whole blocks"
@@ -399,3 +400,4 @@ def cascade_attention(
     )
     ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)
     return output
+    # END TASK
