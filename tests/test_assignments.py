@@ -285,6 +285,31 @@ def test_chapters_with_tasks_have_two_each_listed_in_their_chapter_and_the_readm
         )
 
 
+# The course's parts (README's "The course", chapter 00) and the size a part's larger task,
+# one that builds a whole piece, must reach at least.
+COURSE_PARTS = {
+    "Part I": tuple(f"ch{n:02d}" for n in range(1, 6)),
+    "Part II": tuple(f"ch{n:02d}" for n in range(6, 9)),
+    "Part III": tuple(f"ch{n:02d}" for n in range(9, 14)),
+}
+LARGER_TASK_LINES = 40
+
+
+def test_each_part_of_the_course_has_a_larger_task_the_readme_names():
+    readme = " ".join((REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert tuple(c for chapters in COURSE_PARTS.values() for c in chapters) == CHAPTERS_WITH_TASKS
+    for part, chapters in COURSE_PARTS.items():
+        lines = {t.task_id: t.end_line - t.begin_line - 1 for t in TASKS if t.chapter in chapters}
+        larger = [task_id for task_id, n in lines.items() if n >= LARGER_TASK_LINES]
+        assert larger, (
+            f"{part} (chapters {chapters[0][2:]}-{chapters[-1][2:]}) has no task of {LARGER_TASK_LINES} "
+            f"lines or more; its largest, {max(lines, key=lines.get)}, has {max(lines.values())}"
+        )
+        assert any(f"`{task_id}` for {part} (" in readme for task_id in larger), (
+            f"README's 'Grading an assignment' must name {part}'s larger task ({', '.join(larger)})"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One pytest run on a tree with (at most) one file rewritten."""
