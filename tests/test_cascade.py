@@ -27,6 +27,7 @@ from nano_v1.attention.backends.triton_attn import TritonAttentionMetadataBuilde
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.selector import get_attn_backend
 from nano_v1.kv_cache_interface import FullAttentionSpec
+from nano_v1.worker.utils import compute_cascade_attn_prefix_len
 
 pytestmark = pytest.mark.ch07
 
@@ -342,7 +343,8 @@ def test_cascade_with_triton_kernels_equals_float64(group):
 # ---------------------------------------------------------------- the prefix length
 @pytest.fixture(scope="module")
 def runner(tiny_qwen3):
-    """A model runner without weights: `_compute_cascade_attn_prefix_len` reads only the batch."""
+    """A model runner without weights: what it passes `compute_cascade_attn_prefix_len`
+    (its builder, query heads and SMs) needs no model."""
     from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
     config = make_vllm_config(tiny_qwen3, device="auto", block_size=16, max_model_len=512)
@@ -354,6 +356,19 @@ def full_attention_spec(runner) -> FullAttentionSpec:
     model_config = runner.model_config
     return FullAttentionSpec(
         runner.block_size, model_config.get_num_kv_heads(), model_config.get_head_size(), runner.dtype
+    )
+
+
+def prefix_len(runner, query_lens: np.ndarray, num_computed: np.ndarray, num_common_blocks: int, spec) -> int:
+    """The prefix length the runner's `_build_attention_metadata` gets for one KV cache group."""
+    return compute_cascade_attn_prefix_len(
+        query_lens,
+        num_computed,
+        num_common_blocks,
+        spec,
+        runner.attn_metadata_builder,
+        runner.num_query_heads,
+        runner.num_sms,
     )
 
 
@@ -376,18 +391,19 @@ def test_prefix_len(runner, monkeypatch, num_computed, num_common_blocks, expect
         return True
 
     monkeypatch.setattr(runner.attn_metadata_builder, "use_cascade_attention", always)
-    n = len(num_computed)
-    monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.array(num_computed + [999] * 5))
+    query_lens = np.ones(len(num_computed), dtype=np.int32)
+    # Rows of the persistent batch beyond this step's requests are stale: their 0s must not cap the prefix.
+    num_computed_tokens = np.array(num_computed + [0] * 5)
     spec = full_attention_spec(runner)
-    assert runner._compute_cascade_attn_prefix_len(np.ones(n, dtype=np.int32), num_common_blocks, spec) == expected
+    assert prefix_len(runner, query_lens, num_computed_tokens, num_common_blocks, spec) == expected
     assert asked == ([] if num_common_blocks == 0 else [expected])
 
 
-def test_prefix_len_is_zero_when_the_rule_says_no(runner, monkeypatch):
-    monkeypatch.setattr(runner.input_batch, "num_computed_tokens_cpu", np.full(8, 1000))
+def test_prefix_len_is_zero_when_the_rule_says_no(runner):
     # 8 decodes on a 992-token prefix, Qwen3 tiny's 4 query heads over 2 KV heads, on 132 SMs:
     # cascade 1 wave x 8 tiles = 8; flash-decoding 8 x 2 x 8 = 128 CTAs, 1 wave. No cascade.
-    assert runner._compute_cascade_attn_prefix_len(np.ones(8, dtype=np.int32), 62, full_attention_spec(runner)) == 0
+    query_lens, num_computed = np.ones(8, dtype=np.int32), np.full(8, 1000)
+    assert prefix_len(runner, query_lens, num_computed, 62, full_attention_spec(runner)) == 0
 
 
 # ---------------------------------------------------------------- end to end
