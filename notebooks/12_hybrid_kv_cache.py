@@ -246,13 +246,16 @@ for model in MODELS:
 # at once into the same bytes, so its decode steps carry more requests: we record every
 # step (`Worker.start_step_timing`) and report the mean decode batch of the steps that
 # only decode, the device-independent half of throughput, beside tokens per CPU-second
-# (this shared machine's wall clock is noise). Contexts stop at 4k: a CPU prefills
-# 16k-token prompts too slowly for a notebook.
+# (this shared machine's wall clock is noise). Three rounds, each running both allocators
+# at every context in turn, so that a burst of load from elsewhere hits both; the batches
+# and step counts are the same every round, the times are not. Contexts stop at 4k: a
+# CPU prefills 16k-token prompts too slowly for a notebook.
 
 # %%
 THROUGHPUT_CONTEXTS = nb.pick(cpu=[1024, 2048, 4096], gpu=[1024, 2048, 4096], smoke=[256])
 NUM_REQUESTS = nb.pick(cpu=8, gpu=8, smoke=4)
 TP_OUTPUT = nb.pick(cpu=128, gpu=128, smoke=8)
+TP_ROUNDS = nb.pick(cpu=3, gpu=3, smoke=1)
 tp_dir = hk.write_mini_gemma3(tempfile.mkdtemp(prefix="nano_v1_nb12_tp_"), sliding_window=WINDOW)
 full_bytes_per_token = 2 * 12 * 1 * 64 * 4  # 12 layers, 1 KV head of 64, float32
 
@@ -292,14 +295,24 @@ def throughput(context: int, disable_hybrid: bool) -> dict:
             "output_tokens_per_cpu_s": NUM_REQUESTS * TP_OUTPUT / cpu}
 
 
-tp_rows = [throughput(c, disable) for c in THROUGHPUT_CONTEXTS for disable in (False, True)]
+tp_rows = [dict(throughput(c, disable), round=k)
+           for k in range(TP_ROUNDS) for c in THROUGHPUT_CONTEXTS for disable in (False, True)]
+
+
+def tp_runs(context: int, mode: str) -> list[dict]:
+    """The rounds' rows of one context and allocator, in round order."""
+    return [r for r in tp_rows if (r["context"], r["mode"]) == (context, mode)]
+
+
 for c in THROUGHPUT_CONTEXTS:
-    h, f = (next(r for r in tp_rows if (r["context"], r["mode"]) == (c, m)) for m in ("hybrid", "full"))
-    print(f"context {c}, hybrid vs full-only: running at once {h['peak_running']} vs {f['peak_running']}, "
-          f"mean decode batch {h['mean_decode_batch']:.2f} vs {f['mean_decode_batch']:.2f}, steps {h['num_steps']} vs "
-          f"{f['num_steps']}; tokens per CPU-second {h['total_tokens_per_cpu_s']:.0f} vs "
-          f"{f['total_tokens_per_cpu_s']:.0f} ({h['total_tokens_per_cpu_s'] / f['total_tokens_per_cpu_s']:.2f}x), "
-          f"output {h['output_tokens_per_cpu_s']:.1f} vs {f['output_tokens_per_cpu_s']:.1f}")
+    h, f = tp_runs(c, "hybrid"), tp_runs(c, "full")
+    h_rate, f_rate = (np.median([r["total_tokens_per_cpu_s"] for r in runs]) for runs in (h, f))
+    ratios = [a["total_tokens_per_cpu_s"] / b["total_tokens_per_cpu_s"] for a, b in zip(h, f)]
+    print(f"context {c}, hybrid vs full-only: running at once {h[0]['peak_running']} vs {f[0]['peak_running']}, "
+          f"mean decode batch {h[0]['mean_decode_batch']:.2f} vs {f[0]['mean_decode_batch']:.2f}, steps "
+          f"{h[0]['num_steps']} vs {f[0]['num_steps']}; tokens per CPU-second (median of {TP_ROUNDS}) "
+          f"{h_rate:.0f} vs {f_rate:.0f}; ratio per round {min(ratios):.2f}x to {max(ratios):.2f}x "
+          f"(median {np.median(ratios):.2f}x)")
 
 # %% [markdown]
 # ## Plot
@@ -337,13 +350,16 @@ nb.tick_at([ax], CONTEXTS)
 ax = axes[1, 1]
 x = np.arange(len(THROUGHPUT_CONTEXTS))
 for k, (mode, label) in enumerate((("hybrid", "hybrid"), ("full", "full-only"))):
-    rows = [next(r for r in tp_rows if (r["context"], r["mode"]) == (c, mode)) for c in THROUGHPUT_CONTEXTS]
+    rows = [tp_runs(c, mode)[0] for c in THROUGHPUT_CONTEXTS]
     ax.bar(x + (k - 0.5) * 0.38, [r["mean_decode_batch"] for r in rows], 0.38, label=f"{label}: mean decode batch")
 ax2 = ax.twinx()
-for mode, style in (("hybrid", "o-k"), ("full", "s--k")):
-    rows = [next(r for r in tp_rows if (r["context"], r["mode"]) == (c, mode)) for c in THROUGHPUT_CONTEXTS]
-    ax2.plot(x, [r["total_tokens_per_cpu_s"] for r in rows], style, mfc="white",
-             label=f"{'hybrid' if mode == 'hybrid' else 'full-only'}: tokens per CPU-second")
+# Each context on its own: a point at the rounds' median, a bar from the slowest to the fastest.
+for k, (mode, label, marker) in enumerate((("hybrid", "hybrid", "o"), ("full", "full-only", "s"))):
+    rates = [[r["total_tokens_per_cpu_s"] for r in tp_runs(c, mode)] for c in THROUGHPUT_CONTEXTS]
+    median = np.array([np.median(v) for v in rates])
+    ax2.errorbar(x + (k - 0.5) * 0.38, median, yerr=[median - [min(v) for v in rates], [max(v) for v in rates] - median],
+                 fmt=marker + "k", mfc="white", capsize=3,
+                 label=f"{label}: tokens per CPU-second (median, range of {TP_ROUNDS})")
 ax2.set_ylabel("prompt + output tokens per CPU-second")
 ax.set_xticks(x, [str(c) for c in THROUGHPUT_CONTEXTS])
 ax.set(xlabel="context (tokens)", ylabel="requests per decode-only step",
@@ -385,5 +401,5 @@ print(nb.save_data("12_hybrid_kv_cache", {
     "shapes": shapes, "predicted": predicted, "gemma2_rfc_saving": gemma2_saving,
     "long_generation": {"prompt_len": PROMPT_LEN, "gen_len": GEN_LEN, "window": WINDOW, **generation},
     "concurrency": {"output_len": OUTPUT_LEN, "rows": concurrency},
-    "throughput": {"num_requests": NUM_REQUESTS, "output_len": TP_OUTPUT, "rows": tp_rows},
+    "throughput": {"num_requests": NUM_REQUESTS, "output_len": TP_OUTPUT, "rounds": TP_ROUNDS, "rows": tp_rows},
 }))
