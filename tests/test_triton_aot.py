@@ -29,23 +29,19 @@ MAX_REGISTERS_PER_THREAD = 255
 REGISTERS_PER_SM = 65_536
 MAX_SHARED_BYTES_PER_BLOCK = 227 * 1024
 KERNELS = {"_unified_attention_kernel", "_reshape_and_cache_kernel", "_merge_attn_states_kernel"}
-# Variants known to spill (stack frame > 0 at 255 registers): float32 attention over head size 128
-# in 32-key tiles. float32 is the CPU's dtype and the notebooks' parity checks' on a GPU, never a
-# measured path; a 16-key tile (as float32 decodes use) does not spill. Listed so that a new spill
-# anywhere else fails, and so does a listed variant that stops spilling (then drop it here).
-KNOWN_SPILLS = {("_unified_attention_kernel", "fp32", "128", "32")}
-# Spilling since the kernel's loop learned to start at a sliding window's first tile
-# (chapter 12), though these variants run with no window; which of them spill depends on the
-# Triton version (3.9 spills all four, 3.6 all but bfloat16/128/32). bfloat16 at head size
-# 128 is the measured path on an H200, so this is a performance regression to fix before
-# the first GPU run (spills cost speed, not correctness); listed so that CI keeps checking
-# every other variant meanwhile, and not required to spill.
-MAY_SPILL = {
+# Variants known to spill (a stack frame at 255 registers): float32 attention in 32-key tiles,
+# at head sizes 128 and 256, in Triton 3.6 and 3.9 alike. float32 is the CPU's dtype and the
+# notebooks' parity checks' on a GPU, never a measured path; a 16-key tile (as float32 decodes
+# use) does not spill. Listed so that a new spill anywhere else fails, and so does a listed
+# variant that stops spilling (then drop it here).
+KNOWN_SPILLS = {
+    ("_unified_attention_kernel", "fp32", "128", "32"),
     ("_unified_attention_kernel", "fp32", "256", "32"),
-    ("_unified_attention_kernel", "bf16", "128", "16"),
-    ("_unified_attention_kernel", "bf16", "128", "32"),
-    ("_unified_attention_kernel", "bf16", "256", "16"),
 }
+# Allowed, not required: bfloat16 at head size 256 in 16-key tiles has a stack frame of 8 to 32
+# bytes in some variants at 168 registers, far under the cap: ptxas's own trade, which the
+# Triton version and the variant change (3.9: two variants of four, 3.6: one).
+MAY_SPILL = {("_unified_attention_kernel", "bf16", "256", "16")}
 
 
 def spill_key(variant: dict) -> tuple[str, str, str, str]:

@@ -133,7 +133,9 @@ def _unified_attention_kernel(
 
     for tile_start in range(first_key // TILE_SIZE * TILE_SIZE, num_keys, TILE_SIZE):
         key_pos = tile_start + offs_t  # [TILE_SIZE]
-        key_mask = (key_pos >= first_key) & (key_pos < num_keys)
+        key_mask = key_pos < num_keys
+        if SLIDING_WINDOW > 0:  # without a window, no lower bound: one mask fewer to hold in registers
+            key_mask = key_mask & (key_pos >= first_key)
         block_id = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         in_block = key_pos % BLOCK_SIZE
         k_offs = (block_id[None, :] * stride_k_blk + in_block[None, :] * stride_k_pos
