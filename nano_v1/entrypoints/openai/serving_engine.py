@@ -2,7 +2,8 @@
 plumbing from an HTTP request to `AsyncLLM.generate()` and back.
 
 Mirrors vllm/entrypoints/openai/serving_engine.py (`OpenAIServing`, `create_error_response`,
-`create_streaming_error_response`, `_check_model`, `_preprocess_chat`) (chapter 09).
+`create_streaming_error_response`, `_check_model`, `_preprocess_chat`,
+`_get_decoded_token`) (chapter 09).
 
 Why it exists: completions and chat differ only in how the prompt is built and how each
 `RequestOutput` is spelled in JSON. Everything between (sampling params, the first output
