@@ -11,9 +11,10 @@ awaited before the response starts, the race with the client's disconnect, the s
 loop and its error event) is written once here, and `OpenAIServingCompletion` and
 `OpenAIServingChat` supply the prompt and the spelling.
 
-What differs from v0.11.0: `create_error_response` returns the HTTP response itself, and
-its error type is named after the status ("BadRequestError"), so that every error, the
-middlewares' included, has one shape. v0.11.0's completion and chat handlers each have a
+What differs from v0.11.0: `create_error_response` is a static method that returns the
+HTTP response itself, with the error type named after the status ("BadRequestError"), so
+that the middlewares and exception handlers, which run outside any handler, answer with it
+too and every error has one shape. v0.11.0's completion and chat handlers each have a
 streaming loop of their own; here the loop is `OpenAIServing._stream_generator` and each
 endpoint gives only its chunks (`_stream_chunk`, `_usage_chunk`) and its whole response
 (`_full_response`). `_preprocess_chat` renders the template to text and leaves
