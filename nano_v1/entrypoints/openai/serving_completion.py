@@ -1,0 +1,89 @@
+"""`/v1/completions`: a prompt (text or token ids) in, OpenAI's legacy completion out, whole or streamed.
+
+Mirrors vllm/entrypoints/openai/serving_completion.py (`OpenAIServingCompletion`,
+`create_completion`, `request_output_to_completion_response`, `_create_completion_logprobs`)
+(chapter 09).
+
+Why it exists: the completions endpoint's own part of serving: its prompt, its ids
+("cmpl-..."), and how a `RequestOutput` is spelled as `CompletionResponse`, logprobs
+included. The rest (model check, sampling params, streaming loop) is `OpenAIServing`'s.
+
+What differs from v0.11.0: one prompt per request (no lists of prompts, no `echo`,
+`suffix` or `best_of`), and no streaming loop of its own: `OpenAIServing._stream_generator`
+streams, and this class gives its chunks (`_stream_chunk`, `_usage_chunk`), where v0.11.0
+has `completion_stream_generator`.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from nano_v1.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    UsageInfo,
+)
+from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing, usage_info
+from nano_v1.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    request_id_prefix = "cmpl"
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        prompt = {"prompt_token_ids": request.prompt} if isinstance(request.prompt, list) else request.prompt
+        return await self._serve(request, raw_request, prompt)
+
+    def request_output_to_completion_response(
+        self, output: RequestOutput, request_id: str, num_logprobs: int | None
+    ) -> CompletionResponse:
+        choices = [
+            CompletionResponseChoice(
+                index=c.index,
+                text=c.text,
+                logprobs=self._create_completion_logprobs(c, num_logprobs, 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in output.outputs
+        ]
+        usage = usage_info(output, sum(len(c.token_ids) for c in output.outputs))
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+
+    _full_response = request_output_to_completion_response  # what `_serve` answers a whole request with
+
+    def _stream_chunk(
+        self, c: CompletionOutput, request_id: str, num_logprobs: int | None, first: bool, text_offset: int
+    ) -> CompletionResponse:
+        choice = CompletionResponseChoice(
+            index=c.index,
+            text=c.text,
+            logprobs=self._create_completion_logprobs(c, num_logprobs, text_offset),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice])
+
+    def _usage_chunk(self, request_id: str, usage: UsageInfo) -> CompletionResponse:
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=usage)
+
+    def _create_completion_logprobs(
+        self, c: CompletionOutput, num_logprobs: int | None, text_offset: int
+    ) -> CompletionLogProbs | None:
+        """Legacy completions' shape: `top_logprobs` maps text to logprob, the sampled token included."""
+        if num_logprobs is None:
+            return None
+        tokens = [self._get_decoded_token(t) for t in c.token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return CompletionLogProbs(
+            text_offset=offsets,
+            token_logprobs=[max(p[t], MIN_LOGPROB) for t, p in zip(c.token_ids, c.logprobs)],
+            tokens=tokens,
+            top_logprobs=[dict(self._ranked(p)) for p in c.logprobs],
+        )
