@@ -140,7 +140,7 @@ class StageTimer:
             (runner.model, "forward", "forward"),
             (runner.model, "compute_logits", "forward"),
             (runner.sampler, "forward", "sample"),
-            (runner, "_bookkeeping", "sample"),  # holds the step's one device -> host sync
+            (runner, "_bookkeeping_sync", "sample"),  # holds the step's one device -> host sync
             (core.scheduler, "update_from_output", "update"),
             (output_processor, "process_outputs", "outputs"),
         ]

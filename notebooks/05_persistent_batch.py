@@ -187,7 +187,7 @@ def measure(batch_size: int) -> dict:
         for name, t in ours.items():
             assert torch.equal(t.cpu().long(), rebuilt[name].cpu().long()[order]), (batch_size, step, name)
         sampled = torch.zeros(batch_size, 1, dtype=torch.int32, device=device)
-        runner._bookkeeping(SamplerOutput(sampled, None), discard)
+        runner._bookkeeping_sync(SamplerOutput(sampled, None), discard)
         if step > 0:  # step 0 admits the requests: a one-off O(batch x context) copy
             diff_us.append((t1 - t0) * 1e6)
             rebuild_us.append((t2 - t1) * 1e6)

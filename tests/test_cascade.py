@@ -27,7 +27,6 @@ from nano_v1.attention.backends.triton_attn import TritonAttentionMetadataBuilde
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.selector import get_attn_backend
 from nano_v1.kv_cache_interface import FullAttentionSpec
-from nano_v1.worker.utils import compute_cascade_attn_prefix_len
 
 pytestmark = pytest.mark.ch07
 
@@ -343,8 +342,8 @@ def test_cascade_with_triton_kernels_equals_float64(group):
 # ---------------------------------------------------------------- the prefix length
 @pytest.fixture(scope="module")
 def runner(tiny_qwen3):
-    """A model runner without weights: what it passes `compute_cascade_attn_prefix_len`
-    (its builder, query heads and SMs) needs no model."""
+    """A model runner without weights: what `_compute_cascade_attn_prefix_len` reads
+    (its builder, query heads, SMs and persistent batch) needs no model."""
     from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
     config = make_vllm_config(tiny_qwen3, device="auto", block_size=16, max_model_len=512)
@@ -360,16 +359,10 @@ def full_attention_spec(runner) -> FullAttentionSpec:
 
 
 def prefix_len(runner, query_lens: np.ndarray, num_computed: np.ndarray, num_common_blocks: int, spec) -> int:
-    """The prefix length the runner's `_build_attention_metadata` gets for one KV cache group."""
-    return compute_cascade_attn_prefix_len(
-        query_lens,
-        num_computed,
-        num_common_blocks,
-        spec,
-        runner.attn_metadata_builder,
-        runner.num_query_heads,
-        runner.num_sms,
-    )
+    """The prefix length the runner's `_build_attention_metadata` gets for one KV cache group,
+    with `num_computed` the persistent batch's first rows of num_computed_tokens."""
+    runner.input_batch.num_computed_tokens_cpu[: len(num_computed)] = num_computed
+    return runner._compute_cascade_attn_prefix_len(query_lens, num_common_blocks, spec)
 
 
 @pytest.mark.parametrize(

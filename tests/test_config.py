@@ -231,3 +231,33 @@ def test_collective_rpc_reaches_the_worker_by_name_and_by_function(tiny_qwen3):
     assert [t.num_scheduled_tokens for t in timings] == [5, 1, 1, 1]
     assert all(t.num_sampled_reqs == 1 and 0 < t.forward_s <= t.execute_model_s for t in timings)
     assert llm.collective_rpc("stop_step_timing") == [[]]  # recording stopped
+
+
+def test_step_timing_is_on_the_runner_only_while_on(tiny_qwen3):
+    """The worker times steps by shadowing the runner's `execute_model`, `_execute_mm_encoder`
+    and `model` while timing is on; off, the runner is exactly itself and steps run untimed."""
+    from nano_v1 import LLM, SamplingParams
+
+    llm = LLM(tiny_qwen3, dtype="float32", max_num_seqs=4)
+    (runner,) = llm.collective_rpc(lambda worker: worker.model_runner)
+    model = runner.model
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8, 9]}]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def generate() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    untimed = generate()
+    own_attributes = set(vars(runner))
+    assert not {"execute_model", "_execute_mm_encoder"} & own_attributes
+    assert not any("timing" in name for name in own_attributes) and runner.model is model
+    llm.collective_rpc("start_step_timing")
+    assert {"execute_model", "_execute_mm_encoder"} <= set(vars(runner)) and runner.model is not model
+    timed = generate()
+    (timings,) = llm.collective_rpc("stop_step_timing")
+    assert set(vars(runner)) == own_attributes and runner.model is model
+    assert timed == untimed == generate()
+    # One prefill step of both prompts, then 3 decode steps of both.
+    assert [(t.num_scheduled_tokens, t.num_sampled_reqs) for t in timings] == [(8, 2), (2, 2), (2, 2), (2, 2)]
+    assert all(0 < t.forward_s <= t.execute_model_s for t in timings)
+    assert all(t.encoder_s == 0 and t.num_encoder_tokens == 0 for t in timings)  # no images

@@ -796,11 +796,10 @@ def test_cascade_is_refused_for_windowed_groups(tiny_qwen3):
     attention that remembers a window (the hybrid allocator off)."""
     from nano_v1.engine.arg_utils import EngineArgs
     from nano_v1.worker.gpu_model_runner import GPUModelRunner
-    from nano_v1.worker.utils import compute_cascade_attn_prefix_len
 
     config = EngineArgs(model=tiny_qwen3, block_size=16, max_model_len=1024).create_engine_config()
-    runner = GPUModelRunner(config, torch.device("cpu"))  # the builder, heads and SMs it passes
-    num_computed = np.full(8, 1000)
+    runner = GPUModelRunner(config, torch.device("cpu"))  # the builder, heads and SMs it reads
+    runner.input_batch.num_computed_tokens_cpu[:8] = 1000
     query_lens = np.full(8, 2, dtype=np.int32)  # not pure decodes: the rule says cascade
     heads = dict(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     cases = {
@@ -809,13 +808,5 @@ def test_cascade_is_refused_for_windowed_groups(tiny_qwen3):
         FullAttentionSpec(**heads, sliding_window=64): 0,
     }
     for spec, expected in cases.items():
-        got = compute_cascade_attn_prefix_len(
-            query_lens,
-            num_computed,
-            62,
-            spec,
-            runner.attn_metadata_builder,
-            runner.num_query_heads,
-            runner.num_sms,
-        )
+        got = runner._compute_cascade_attn_prefix_len(query_lens, 62, spec)
         assert got == expected, spec

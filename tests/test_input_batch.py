@@ -326,7 +326,7 @@ def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed):
             assert common.block_table_tensor[i, : len(blocks)].tolist() == blocks
         # Stand-in for the model: random samples, kept or discarded by the runner.
         sampled = torch.tensor([[rng.randrange(VOCAB)] for _ in batch.req_ids], dtype=torch.int32)
-        output = runner._bookkeeping(SamplerOutput(sampled, None), discard)
+        output = runner._bookkeeping_sync(SamplerOutput(sampled, None), discard)
         assert output.req_ids == batch.req_ids
         sched.update_from_output(so, output)
         check_batch_rows(runner, sched, before_step=False)
@@ -367,7 +367,7 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
             assert batch.generators.get(i) is s.generator
         # The min-tokens processor, told only the batch's changes, knows exactly the rows still
         # short of their minimum, at their current rows.
-        batch.update_logitsprocs()
+        batch.refresh_metadata()
         (min_tokens,) = batch.logitsprocs
         short = {i: s.sampling_params.min_tokens for i, s in enumerate(states[r] for r in batch.req_ids)
                  if len(s.output_token_ids) < s.sampling_params.min_tokens}
@@ -414,6 +414,21 @@ def test_condense_moves_last_rows_into_holes():
     batch.condense(sorted(holes, reverse=True))
     # f's row (5) was a trailing hole; e then d fill b's and c's rows.
     assert batch.req_ids == ["a", "e", "d"]
+
+
+
+def test_refresh_metadata_rebuilds_the_sampling_metadata_only_when_rows_changed():
+    batch = cpu_input_batch(max_num_reqs=8, max_model_len=16)
+    batch.add_request(CachedRequestState("a", [1], SamplingParams(temperature=0.0), None, ([7],), 0, []))
+    batch.refresh_metadata()
+    assert batch.sampling_metadata.all_greedy
+    unchanged = batch.sampling_metadata
+    batch.refresh_metadata()  # a step in which no row changed
+    assert batch.sampling_metadata is unchanged
+    batch.add_request(CachedRequestState("b", [1], SamplingParams(temperature=0.5), None, ([8],), 0, []))
+    batch.refresh_metadata()
+    metadata = batch.sampling_metadata
+    assert not metadata.all_greedy and metadata.temperature.tolist() == pytest.approx([0.0, 0.5])
 
 
 # ---------------------------------------------------------------------------- execute_model

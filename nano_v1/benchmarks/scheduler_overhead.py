@@ -9,7 +9,7 @@ samples a fixed token for every request, so what is left is the engine's own boo
   - `schedule`: `Scheduler.schedule()`, KV block allocation included;
   - `prepare_inputs`: the runner's `_update_states` + `_prepare_inputs` (the persistent
     batch diff, then flat input ids, positions and slot mapping);
-  - `bookkeeping`: the runner writing the fixed samples back (`_bookkeeping`);
+  - `bookkeeping`: the runner writing the fixed samples back (`_bookkeeping_sync`);
   - `update_from_output`: `Scheduler.update_from_output()`, stop checks and block hashing
     of the new tokens included.
 The default workload is the goal's: 256 requests, prompt and output lengths uniform in
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
             _, _, discard_req_indices = runner._prepare_inputs(scheduler_output)
             stamps.append(_now())
             sampled = torch.full((runner.input_batch.num_reqs, 1), FIXED_TOKEN_ID, dtype=torch.int32)
-            model_runner_output = runner._bookkeeping(SamplerOutput(sampled, None), discard_req_indices)
+            model_runner_output = runner._bookkeeping_sync(SamplerOutput(sampled, None), discard_req_indices)
         else:
             stamps.append(_now())
             model_runner_output = EMPTY_MODEL_RUNNER_OUTPUT

@@ -2,9 +2,16 @@
 
 Mirrors vllm/compilation/decorators.py (`support_torch_compile`) (chapter 08).
 
-Why it exists: vLLM marks each model class with `@support_torch_compile`, which compiles
-its `forward` on first call with dimension 0 (the tokens) dynamic. nano_v1's models stay
-plain `nn.Module`s, and the model runner calls `compile_forward` once after loading.
+Why it exists: a compiled model is traced by Dynamo once, with dimension 0 of its inputs
+(the tokens) a symbol, and every later step reuses that trace at any token count.
+
+What differs from v0.11.0: vLLM's `support_torch_compile` is a class decorator: each model
+class opts in, and its `__call__` compiles on the first call, with a backend built from
+the process's one config. nano_v1's is a function under the same name that the model
+runner applies to one model instance after loading: the backend is the runner's (its graph
+pool, and the graph wrapper class tests swap for a fake), a process may build several
+engines of one model class, each with its own backend, and the trace runs at once on the
+runner's own step buffers. nano_v1's models stay plain `nn.Module`s.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ MAX_ENGINES_PER_PROCESS = 64
 
 
 @torch.inference_mode()
-def compile_forward(
+def support_torch_compile(
     model: nn.Module,
     backend: VllmBackend,
     inputs: tuple[torch.Tensor | None, ...],

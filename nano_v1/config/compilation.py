@@ -123,7 +123,7 @@ class CompilationConfig:
         """Fill the unset fields and check the combination (vLLM: VllmConfig.__post_init__).
 
         Whether the attention backend can run inside a FULL graph is checked later, by the
-        model runner, once the backend is known (vLLM: `_check_and_update_cudagraph_mode`).
+        model runner, once the backend is known (`GPUModelRunner.initialize_cudagraph_capture`, vLLM's name).
         """
         on_cuda = device.startswith("cuda")
         if self.level is None:

@@ -282,19 +282,18 @@ class InputBatch:
     def max_num_logprobs(self) -> int | None:
         return max(self.num_logprobs.values()) if self.num_logprobs else None
 
-    def refresh_sampling_metadata(self) -> None:
-        """Rebuild the sampling metadata; call after the batch's membership changed."""
-        self.sampling_metadata = self._make_sampling_metadata()
-
-    def update_logitsprocs(self) -> None:
-        """Tell every logits processor what changed since the last step; call once per step
-        (output lengths grow every step, so a processor's state changes even when rows do not)."""
+    def refresh_metadata(self) -> None:
+        """Tell every logits processor what changed since the last step, and rebuild the
+        sampling metadata if the batch's rows did; call once per step (output lengths grow
+        every step, so a processor's state changes even when rows do not)."""
         batch_update = None
         if self._removed or self._added or self._moved:
             batch_update = BatchUpdate(self.num_reqs, self._removed, self._added, self._moved)
             self._removed, self._added, self._moved = [], [], []
         for processor in self.logitsprocs:
             processor.update_state(batch_update)
+        if batch_update is not None:
+            self.sampling_metadata = self._make_sampling_metadata()
 
     def _make_sampling_metadata(self) -> SamplingMetadata:
         num_reqs = self.num_reqs

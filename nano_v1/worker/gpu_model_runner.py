@@ -1,6 +1,6 @@
 """The model runner: scheduler output in, one forward pass and one sample per request out.
 
-Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 11 and 12).
+Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11 and 12).
 
 Why it is shaped this way: a step's inputs are a flat, ragged batch (every scheduled
 token of every request, back to back), and nearly all of it is already known from the
@@ -8,22 +8,35 @@ previous step. So the runner (1) applies the scheduler's diff to the persistent 
 (`_update_states`), (2) derives the flat input ids, positions, cache slots and attention
 metadata from it with a few vectorised numpy ops (`_prepare_inputs`), (3) runs the model
 and samples at each request's last scheduled token (`execute_model`), and (4) writes the
-sampled tokens back into the persistent batch itself, so they never travel through the
-scheduler again.
+sampled tokens back into the persistent batch itself (`_bookkeeping_sync`), so they never
+travel through the scheduler again.
 
 Each KV cache group (chapter 12) has its own block table and slot mapping, so a step has
 one attention metadata per group, which the forward context maps to the group's layers.
 A multimodal model (chapter 11) takes embeddings instead of token ids on every step,
 with the step's image rows merged in, so that one compiled graph serves every step.
 
-Where the rest lives: the dummy runs (the memory profile, chapter 08's CUDA-graph capture
-and the FULL graph's padding) in nano_v1/worker/dummy_run_model_runner_mixin.py, a mixin
-of this class; the multimodal encoder's execution and gathering, the KV cache tensors and
-the cascade prefix length (chapters 11, 12, 07) in nano_v1/worker/utils.py.
+At start-up the runner also runs itself over batches that serve no request, in its own
+step buffers (`_dummy_run`): the largest step without a KV cache, so that the worker can
+size the cache from the peak (`profile_run`, chapter 05), and one run per CUDA graph the
+`CudagraphDispatcher` has a key for (`capture_model`, chapter 08). Each step then asks
+the dispatcher which graph to replay and how far to pad, and tells the graph wrappers
+through the forward context. The padding rows compute garbage that nothing reads:
+attention caches and attends only the real tokens, and logits take real rows only.
+
+The methods follow v0.11.0's order. What differs from v0.11.0: one attention metadata
+builder for every KV cache group; `initialize_cudagraph_capture` runs at construction,
+not in `capture_model`, as `load_model` already wraps the model for the resolved mode;
+one capture loop over the dispatcher's keys instead of a `_capture_cudagraphs` call per
+mode, and no garbage-collector freeze, data-parallel padding or micro-batches;
+`_pad_for_full_graph` is nano_v1's own (vLLM pads the same buffers in `_prepare_inputs`
+on every step); `_bookkeeping_sync` returns the `ModelRunnerOutput` rather than its
+parts, as nano_v1 has no NaN counts, prompt logprobs or pooling to add to it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -31,39 +44,37 @@ import torch
 from torch import nn
 
 from nano_v1.attention.backends.flash_attn import FlashAttentionMetadata, get_num_sms
-from nano_v1.attention.backends.utils import CommonAttentionMetadata
+from nano_v1.attention.backends.utils import AttentionCGSupport, CommonAttentionMetadata
 from nano_v1.attention.layer import Attention
 from nano_v1.attention.selector import get_attn_backend
 from nano_v1.compilation.backends import VllmBackend
 from nano_v1.compilation.cuda_graph import CUDAGraphWrapper, GraphPool
-from nano_v1.compilation.decorators import compile_forward
+from nano_v1.compilation.decorators import support_torch_compile
 from nano_v1.config import CompilationLevel, CUDAGraphMode, VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
-from nano_v1.forward_context import set_forward_context
-from nano_v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from nano_v1.forward_context import BatchDescriptor, set_forward_context
+from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from nano_v1.model_executor.model_loader import get_model
 from nano_v1.multimodal import MULTIMODAL_REGISTRY
-from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput, StepTiming
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nano_v1.sample.sampler import Sampler, SamplerOutput
 from nano_v1.spec_decode.metadata import SpecDecodeMetadata, calc_spec_decode_metadata, segment_arange
 from nano_v1.spec_decode.ngram_proposer import NgramProposer
 from nano_v1.worker.block_table import CpuGpuBuffer
-from nano_v1.worker.dummy_run_model_runner_mixin import DummyRunModelRunnerMixin
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-from nano_v1.worker.utils import (
-    allocate_kv_cache_tensors,
-    bind_kv_cache,
-    compute_cascade_attn_prefix_len,
-    execute_mm_encoder,
-    gather_mm_embeddings,
-    get_kv_cache_spec,
-    reshape_kv_cache_tensors,
-)
+from nano_v1.worker.utils import bind_kv_cache
+
+logger = logging.getLogger(__name__)
+
+# Where the padding rows of a FULL graph write their keys and values: slot 0 of block 0,
+# the null block, which the block pool never hands to a request.
+NULL_BLOCK_SLOT = 0
 
 
-class GPUModelRunner(DummyRunModelRunnerMixin):
+class GPUModelRunner:
     """Owns the model, its KV cache tensors, the persistent batch and the per-step buffers.
 
     Constructing it loads nothing; `load_model()` and `initialize_kv_cache()` do, so the
@@ -105,7 +116,7 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
         self.num_sms = get_num_sms(device)
         self.sampler = Sampler()
         self.cudagraph_dispatcher = CudagraphDispatcher(vllm_config)
-        self._check_and_update_cudagraph_mode()
+        self.initialize_cudagraph_capture()
         self.graph_pool: GraphPool | None = None  # shared by every CUDA graph this runner captures
         self.compile_backend: VllmBackend | None = None  # set when the model is compiled (level 3)
         # Speculative decoding (chapter 10): drafts proposed after each step, verified in the next.
@@ -113,8 +124,6 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
         self.drafter = NgramProposer(speculative_config) if speculative_config is not None else None
         self.rejection_sampler = RejectionSampler()
         self._draft_token_ids: list[list[int]] | None = None
-        # A StepTiming per execute_model while the worker's step timing is on (benchmarks).
-        self.step_timings: list[StepTiming] | None = None
 
         # Every request the runner knows, in the batch or preempted; dropped when finished.
         self.requests: dict[str, CachedRequestState] = {}
@@ -143,63 +152,6 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
         # 0, 1, 2, ... once, so that per-step aranges are slices rather than allocations.
         self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens))
 
-    # ------------------------------------------------------------------ model and cache
-    def load_model(self) -> None:
-        self.model = get_model(self.vllm_config, self.device)
-        self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
-        if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            self.graph_pool = GraphPool.create(self.device)
-        if self.compilation_config.level == CompilationLevel.PIECEWISE:
-            # Dynamo traces the model once and the piecewise backend splits it at attention.
-            self.compile_backend = VllmBackend(
-                self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls
-            )
-            num_tokens = min(self.max_num_tokens, 16)
-            compile_forward(
-                self.model, self.compile_backend, self._model_inputs(num_tokens), self.attn_layers
-            )
-        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
-            # The whole forward pass, attention included, as one graph per size.
-            self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
-
-    def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
-        """The persistent batch, with one block table per KV cache group of these block sizes."""
-        return InputBatch(
-            max_num_reqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_tokens,
-            device=self.device,
-            pin_memory=self.pin_memory,
-            vocab_size=self.model_config.get_vocab_size(),
-            block_sizes=block_sizes,
-        )
-
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """Each attention layer's KV cache format (nano_v1/worker/utils.py::get_kv_cache_spec)."""
-        assert self.attn_layers, "load_model() first: the specs are the model's attention layers'"
-        return get_kv_cache_spec(self.attn_layers, self.block_size, self.dtype)
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Take the KV cache groups, allocate the tensors, and bind each layer its view."""
-        self.kv_cache_config = kv_cache_config
-        self.may_reinitialize_input_batch(kv_cache_config)
-        self.initialize_kv_cache_tensors(kv_cache_config)
-
-    def may_reinitialize_input_batch(self, kv_cache_config: KVCacheConfig) -> None:
-        """A persistent batch with one block table per group, if there is more than one group."""
-        block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
-        if block_sizes != [self.block_size]:
-            assert not self.requests, "the persistent batch is rebuilt before any request arrives"
-            self.input_batch = self._make_input_batch(block_sizes)
-
-    def initialize_kv_cache_tensors(self, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
-        """The layers' KV caches: raw zeroed buffers, viewed in each group's format, bound to the layers."""
-        kv_cache_raw_tensors = allocate_kv_cache_tensors(kv_cache_config, self.device)
-        kv_caches = reshape_kv_cache_tensors(kv_cache_config, kv_cache_raw_tensors, self.attn_backend)
-        bind_kv_cache(kv_caches, self.attn_layers)
-        return kv_caches
-
-    # ------------------------------------------------------------------ one step
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to `self.requests` and to the persistent batch.
 
@@ -254,15 +206,12 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
                 input_batch.block_table.append_row(new_block_ids, req_index)
 
         # Fill the lowest holes first, then close whatever holes remain.
-        batch_changed = bool(removed_req_indices or reqs_to_add)
         removed_req_indices.sort(reverse=True)
         for req_state in reqs_to_add:
             input_batch.add_request(req_state, removed_req_indices.pop() if removed_req_indices else None)
         if removed_req_indices:
             input_batch.condense(removed_req_indices)
-        if batch_changed:
-            input_batch.refresh_sampling_metadata()
-        input_batch.update_logitsprocs()
+        input_batch.refresh_metadata()
 
         # Drafts to verify go right after the request's known tokens in the token table,
         # where _prepare_inputs gathers input ids; num_tokens does not count them, so
@@ -350,16 +299,39 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
         logits_indices = query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
         return common_attn_metadata, logits_indices, discard_req_indices
 
-    def _calc_spec_decode_metadata(self, scheduler_output: SchedulerOutput) -> SpecDecodeMetadata:
-        """Which logits rows verify which drafts (`calc_spec_decode_metadata`), for this step's batch."""
-        input_batch = self.input_batch
-        num_draft_tokens = np.zeros(input_batch.num_reqs, dtype=np.int64)
-        for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
-            num_draft_tokens[input_batch.req_id_to_index[req_id]] = len(spec_token_ids)
-        cu_num_scheduled_tokens = self.query_start_loc.np[1 : input_batch.num_reqs + 1].astype(np.int64)
-        return calc_spec_decode_metadata(
-            num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.np, self.device
-        )
+    def _pad_for_full_graph(
+        self, num_reqs: int, num_padded: int, max_seq_len: int
+    ) -> list[CommonAttentionMetadata]:
+        """Each group's attention metadata of `num_reqs` decodes padded with empty requests to `num_padded`.
+
+        A FULL graph reads the metadata from the addresses it was captured with, so every
+        tensor here is the head of a persistent buffer, refilled each step. The padding
+        requests have no query and no context; their padding rows cache into the null block
+        (of every group: a block id names a page in every tensor, and no group owns block 0).
+        """
+        self.query_start_loc.np[num_reqs + 1 : num_padded + 1] = num_reqs
+        self.seq_lens.np[num_reqs:num_padded] = 0
+        query_start_loc = self.query_start_loc.copy_to_gpu(num_padded + 1)
+        seq_lens = self.seq_lens.copy_to_gpu(num_padded)
+        common_attn_metadata = []
+        for block_table in self.input_batch.block_table.block_tables:
+            block_table.slot_mapping.np[num_reqs:num_padded] = NULL_BLOCK_SLOT
+            common_attn_metadata.append(
+                CommonAttentionMetadata(
+                    query_start_loc=query_start_loc,
+                    query_start_loc_cpu=self.query_start_loc.cpu[: num_padded + 1],
+                    seq_lens=seq_lens,
+                    seq_lens_cpu=self.seq_lens.cpu[:num_padded],
+                    num_computed_tokens_cpu=self.input_batch.num_computed_tokens_cpu_tensor[:num_padded],
+                    num_reqs=num_padded,
+                    num_actual_tokens=num_padded,
+                    max_query_len=1,
+                    max_seq_len=max_seq_len,
+                    block_table_tensor=block_table.commit_block_table(num_padded),
+                    slot_mapping=block_table.commit_slot_mapping(num_padded),
+                )
+            )
+        return common_attn_metadata
 
     def _build_attention_metadata(
         self, common_attn_metadata: list[CommonAttentionMetadata], num_common_prefix_blocks: list[int] | None
@@ -374,14 +346,10 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
         ):
             common_prefix_len = 0
             if self.cascade_attn_enabled and num_common_prefix_blocks is not None:
-                common_prefix_len = compute_cascade_attn_prefix_len(
+                common_prefix_len = self._compute_cascade_attn_prefix_len(
                     np.diff(common.query_start_loc_cpu.numpy()),
-                    self.input_batch.num_computed_tokens_cpu,
                     num_common_prefix_blocks[kv_cache_group_id],
                     group.kv_cache_spec,
-                    self.attn_metadata_builder,
-                    self.num_query_heads,
-                    self.num_sms,
                 )
             metadata = self.attn_metadata_builder.build(
                 common_prefix_len=common_prefix_len, common_attn_metadata=common
@@ -390,72 +358,117 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
                 attn_metadata[layer_name] = metadata
         return attn_metadata
 
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: update the persistent batch, prepare inputs, run the model, sample, keep the tokens."""
-        start = time.perf_counter()
-        self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
-        common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
-        spec_decode_metadata = None
-        if scheduler_output.scheduled_spec_decode_tokens:
-            spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
-            logits_indices = spec_decode_metadata.logits_indices
+    def _compute_cascade_attn_prefix_len(
+        self, num_scheduled_tokens: np.ndarray, num_common_prefix_blocks: int, kv_cache_spec: KVCacheSpec
+    ) -> int:
+        """Tokens of shared prefix that cascade attention handles this step in one KV cache group; 0 for none.
 
-        first = common_attn_metadata[0]  # the batch's shape is every group's
-        num_tokens, num_reqs = first.num_actual_tokens, first.num_reqs
-        encoder_s, num_encoder_tokens = 0.0, 0
-        if self.supports_mm_inputs:
-            encoder_start = time.perf_counter()
-            num_encoder_tokens = execute_mm_encoder(
-                self.model, scheduler_output, self.requests, self.encoder_cache, self.device, self.dtype
-            )
-            encoder_s = time.perf_counter() - encoder_start
-            mm_embeds, is_mm_embed = gather_mm_embeddings(
-                scheduler_output,
-                self.input_batch.req_ids,
-                self.requests,
-                self.query_start_loc.np,
-                self.encoder_cache,
-                self.device,
-            )
-            self.inputs_embeds[:num_tokens] = self.model.get_input_embeddings(
-                self.input_ids.gpu[:num_tokens], mm_embeds, is_mm_embed
-            )
-        uniform_decode = first.max_query_len == 1 and num_tokens == num_reqs
-        cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
-            num_tokens, uniform_decode
+        `num_scheduled_tokens` is per request of this step, the first rows of the persistent
+        batch (chapter 07).
+
+        Not simply the shared blocks: the prefix pass attends without a mask, so no query
+        may sit inside the prefix. If all requests share [A B C D E] and one has computed
+        [A B C] and now queries [D E X], a five-token prefix would let its query D see E, its
+        future. So the prefix is capped by the smallest `num_computed_tokens` (not one more,
+        which would still be correct: this way every request keeps at least one suffix key
+        and the suffix pass is never empty), then rounded down to whole blocks, since the
+        prefix pass reads whole blocks of the block table's first row.
+
+        The rule refuses windowed layers: a sliding-window group, or full attention that
+        remembers a window (the hybrid allocator off); its prefix pass would see keys
+        outside the window. vLLM's takes the group's builder too; nano_v1 has one.
+        """
+        block_size = kv_cache_spec.block_size
+        common_prefix_len = num_common_prefix_blocks * block_size
+        if common_prefix_len == 0:
+            return 0  # the common case: no block is shared by every running request
+        num_computed_tokens = self.input_batch.num_computed_tokens_cpu[: len(num_scheduled_tokens)]
+        common_prefix_len = min(common_prefix_len, int(num_computed_tokens.min()))
+        common_prefix_len = common_prefix_len // block_size * block_size
+        use_sliding_window = isinstance(kv_cache_spec, SlidingWindowSpec) or (
+            isinstance(kv_cache_spec, FullAttentionSpec) and kv_cache_spec.sliding_window is not None
         )
-        num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
-        num_common_prefix_blocks = scheduler_output.num_common_prefix_blocks
-        if cudagraph_runtime_mode == CUDAGraphMode.FULL:
-            # The FULL graph captured plain attention, so a graphed step never cascades.
-            common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, first.max_seq_len)
-            num_common_prefix_blocks = None
-        attn_metadata = self._build_attention_metadata(common_attn_metadata, num_common_prefix_blocks)
+        use_cascade = self.attn_metadata_builder.use_cascade_attention(
+            common_prefix_len=common_prefix_len,
+            query_lens=num_scheduled_tokens,
+            num_query_heads=self.num_query_heads,
+            num_kv_heads=kv_cache_spec.num_kv_heads,
+            use_alibi=False,  # nano_v1's models have none of these variants
+            use_sliding_window=use_sliding_window,
+            use_local_attention=False,
+            num_sms=self.num_sms,
+        )
+        return common_prefix_len if use_cascade else 0
 
-        forward_start = time.perf_counter()
-        with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
-            hidden_states = self.model(*self._model_inputs(num_input_tokens))
-        forward_s = time.perf_counter() - forward_start
-        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
-        sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
-        output = self._bookkeeping(sampler_output, discard_req_indices)
-        if self.drafter is not None:
-            self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
-        if self.step_timings is not None:
-            self.step_timings.append(
-                StepTiming(
-                    num_scheduled_tokens=num_tokens,
-                    num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
-                    execute_model_s=time.perf_counter() - start,
-                    forward_s=forward_s,
-                    encoder_s=encoder_s,
-                    num_encoder_tokens=num_encoder_tokens,
-                )
-            )
-        return output
+    def _calc_spec_decode_metadata(self, scheduler_output: SchedulerOutput) -> SpecDecodeMetadata:
+        """Which logits rows verify which drafts (`calc_spec_decode_metadata`), for this step's batch."""
+        input_batch = self.input_batch
+        num_draft_tokens = np.zeros(input_batch.num_reqs, dtype=np.int64)
+        for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+            num_draft_tokens[input_batch.req_id_to_index[req_id]] = len(spec_token_ids)
+        cu_num_scheduled_tokens = self.query_start_loc.np[1 : input_batch.num_reqs + 1].astype(np.int64)
+        return calc_spec_decode_metadata(
+            num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.np, self.device
+        )
+
+    def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
+        """Encode this step's scheduled images, in one batch, into `self.encoder_cache` (chapter 11).
+
+        The scheduler never schedules one mm_hash twice in a step, and a request preempted
+        after its images were scheduled is still in `self.requests`: the encoder cache
+        counts its images.
+        """
+        mm_hashes: list[str] = []
+        pixel_values: list[torch.Tensor] = []
+        for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
+            mm_features = self.requests[req_id].mm_features
+            for input_id in input_ids:
+                mm_hashes.append(mm_features[input_id].identifier)
+                pixel_values.append(mm_features[input_id].data["pixel_values"])
+        if not mm_hashes:
+            return
+        batch = torch.stack(pixel_values).to(self.device, self.dtype)  # [num_images, 3, H, W]
+        # [num_images, num_image_tokens, hidden_size]
+        encoder_outputs = self.model.get_multimodal_embeddings(batch)
+        for mm_hash, output in zip(mm_hashes, encoder_outputs):
+            self.encoder_cache[mm_hash] = output
+
+    def _gather_mm_embeddings(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The encoder output rows for exactly this step's image positions, and where they go.
+
+        Returns the rows, one `[n, hidden_size]` piece per (request, image) in flat-batch
+        order, and `is_mm_embed`, a `[num_tokens]` bool mask of the flat batch that is true
+        at those positions (the same count, in the same order); None in a step without
+        image positions (most steps: every decode). E.g. a chunk of positions 100..611
+        over an image at 100..675 takes rows 0..511 of its output; the next chunk takes
+        rows 512..575, from the cache.
+        """
+        total_num_tokens = scheduler_output.total_num_scheduled_tokens
+        is_mm_embed = np.zeros(total_num_tokens, dtype=bool)
+        mm_embeds: list[torch.Tensor] = []
+        for req_index, req_id in enumerate(self.input_batch.req_ids):
+            req_state = self.requests[req_id]
+            num_computed_tokens = req_state.num_computed_tokens
+            num_scheduled_tokens = scheduler_output.num_scheduled_tokens[req_id]
+            for mm_feature in req_state.mm_features:
+                start_pos, num_encoder_tokens = mm_feature.mm_position.offset, mm_feature.mm_position.length
+                if start_pos >= num_computed_tokens + num_scheduled_tokens:
+                    break  # this image and every later one lie beyond the chunk
+                if start_pos + num_encoder_tokens <= num_computed_tokens:
+                    continue  # in the KV cache already
+                # Rows [start_idx, end_idx) of the image's output fall in this chunk.
+                start_idx = max(num_computed_tokens - start_pos, 0)
+                end_idx = min(num_computed_tokens + num_scheduled_tokens - start_pos, num_encoder_tokens)
+                encoder_output = self.encoder_cache.get(mm_feature.identifier)
+                assert encoder_output is not None, f"no encoder output for {mm_feature.identifier} ({req_id})"
+                mm_embeds.append(encoder_output[start_idx:end_idx])
+                flat_start = self.query_start_loc.np[req_index] + start_pos + start_idx - num_computed_tokens
+                is_mm_embed[flat_start : flat_start + end_idx - start_idx] = True
+        if not mm_embeds:
+            return [], None
+        return mm_embeds, torch.from_numpy(is_mm_embed).to(self.device)
 
     def _model_inputs(self, num_tokens: int) -> tuple[torch.Tensor | None, ...]:
         """The forward pass's arguments for the first `num_tokens` rows of the step buffers:
@@ -495,13 +508,14 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
             )
         return sampler_output
 
-    def _bookkeeping(
+    def _bookkeeping_sync(
         self, sampler_output: SamplerOutput, discard_req_indices: np.ndarray
     ) -> ModelRunnerOutput:
         """Keep each row's tokens (unless discarded) in the persistent batch and its state.
 
         A row keeps one token, or with drafts 1 .. k + 1: a prefix of its sampled row,
-        placeholders after it.
+        placeholders after it. vLLM's takes the scheduler output, logits and hidden states
+        too, for outputs nano_v1 does not produce, and returns the output's parts.
         """
         input_batch = self.input_batch
         req_ids = input_batch.req_ids
@@ -535,6 +549,55 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
             logprobs=logprobs,
         )
 
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: update the persistent batch, prepare inputs, run the model, sample, keep the tokens."""
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
+        common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
+        spec_decode_metadata = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
+            logits_indices = spec_decode_metadata.logits_indices
+
+        first = common_attn_metadata[0]  # the batch's shape is every group's
+        num_tokens, num_reqs = first.num_actual_tokens, first.num_reqs
+        if self.supports_mm_inputs:
+            self._execute_mm_encoder(scheduler_output)
+            mm_embeds, is_mm_embed = self._gather_mm_embeddings(scheduler_output)
+            self.inputs_embeds[:num_tokens] = self.model.get_input_embeddings(
+                self.input_ids.gpu[:num_tokens], mm_embeds, is_mm_embed
+            )
+        uniform_decode = first.max_query_len == 1 and num_tokens == num_reqs
+        cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
+            num_tokens, uniform_decode
+        )
+        num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
+        num_common_prefix_blocks = scheduler_output.num_common_prefix_blocks
+        if cudagraph_runtime_mode == CUDAGraphMode.FULL:
+            # The FULL graph captured plain attention, so a graphed step never cascades.
+            common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, first.max_seq_len)
+            num_common_prefix_blocks = None
+        attn_metadata = self._build_attention_metadata(common_attn_metadata, num_common_prefix_blocks)
+
+        with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
+            hidden_states = self.model(*self._model_inputs(num_input_tokens))
+        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
+        sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
+        output = self._bookkeeping_sync(sampler_output, discard_req_indices)
+        if self.drafter is not None:
+            self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
+        return output
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Hand the drafts of the last step to the scheduler (once)."""
+        if self._draft_token_ids is None:
+            return None
+        draft_token_ids = DraftTokenIds(list(self.input_batch.req_ids), self._draft_token_ids)
+        self._draft_token_ids = None
+        return draft_token_ids
+
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Next step's drafts, per row, from the tokens now in the persistent batch.
 
@@ -551,10 +614,206 @@ class GPUModelRunner(DummyRunModelRunnerMixin):
             input_batch.spec_decode_unsupported_reqs,
         )
 
-    def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """Hand the drafts of the last step to the scheduler (once)."""
-        if self._draft_token_ids is None:
-            return None
-        draft_token_ids = DraftTokenIds(list(self.input_batch.req_ids), self._draft_token_ids)
-        self._draft_token_ids = None
-        return draft_token_ids
+    def load_model(self) -> None:
+        self.model = get_model(self.vllm_config, self.device)
+        self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            self.graph_pool = GraphPool.create(self.device)
+        if self.compilation_config.level == CompilationLevel.PIECEWISE:
+            # Dynamo traces the model once and the piecewise backend splits it at attention.
+            self.compile_backend = VllmBackend(
+                self.compilation_config, self.graph_pool, self.cudagraph_wrapper_cls
+            )
+            num_tokens = min(self.max_num_tokens, 16)
+            support_torch_compile(
+                self.model, self.compile_backend, self._model_inputs(num_tokens), self.attn_layers
+            )
+        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            # The whole forward pass, attention included, as one graph per size.
+            self.model = self.cudagraph_wrapper_cls(self.model, CUDAGraphMode.FULL, self.graph_pool)
+
+    def _dummy_run(
+        self, num_tokens: int, cudagraph_runtime_mode: CUDAGraphMode, uniform_decode: bool = False
+    ) -> torch.Tensor:
+        """A forward pass over `num_tokens` dummy tokens, capturing a graph if the mode says so.
+
+        A mixed batch has no attention metadata: attention (eager under PIECEWISE) attends
+        within the batch and touches no cache. A uniform decode batch, the FULL graph's,
+        has real metadata in the persistent buffers, here all padding requests, because
+        a FULL graph captures attention too.
+        """
+        attn_metadata = None
+        if uniform_decode:
+            attn_metadata = self._build_attention_metadata(self._pad_for_full_graph(0, num_tokens, 1), None)
+        batch_descriptor = BatchDescriptor(num_tokens, uniform_decode)
+        with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
+            return self.model(*self._model_inputs(num_tokens))
+
+    def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> None:
+        """Logits and a sample with top-k and top-p for `max_num_seqs` rows (times 1 + k with k
+        speculative tokens), the sampler's worst case (a sort)."""
+        # Logits rows: one per request, and with speculative decoding one per draft too (chapter 10).
+        num_reqs = min(self.max_num_reqs * (1 + (self.drafter.k if self.drafter else 0)), len(hidden_states))
+        logits = self.model.compute_logits(hidden_states[:num_reqs])
+        vocab_size = logits.shape[-1]
+        self.sampler(
+            logits,
+            SamplingMetadata(
+                temperature=torch.ones(num_reqs, device=self.device),
+                all_greedy=False,
+                all_random=True,
+                top_p=torch.full((num_reqs,), 0.9, device=self.device),
+                top_k=torch.full((num_reqs,), vocab_size, dtype=torch.int32, device=self.device),
+                generators={},
+                max_num_logprobs=None,
+            ),
+        )
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Run the largest step the scheduler can send, without a KV cache, to measure peak memory.
+
+        A forward over `max_num_batched_tokens` tokens (attention metadata None: the
+        layers attend within the batch and write no cache), then the sampler's worst case.
+        """
+        hidden_states = self._dummy_run(self.max_num_tokens, CUDAGraphMode.NONE)
+        self._dummy_sampler_run(hidden_states)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture every CUDA graph the dispatcher has a key for, at start-up, into one memory pool.
+
+        Each size runs once without graphs first, so that lazy work (cuBLAS workspaces,
+        Triton compiles) is done before a capture, where it would be illegal.
+        """
+        keys = self.cudagraph_dispatcher.get_capture_descriptors()
+        if not keys:
+            return
+        from tqdm import tqdm
+
+        on_cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        start = time.perf_counter()
+        for runtime_mode, key in tqdm(keys, desc="Capturing CUDA graphs", disable=not on_cuda):
+            self._dummy_run(key.num_tokens, CUDAGraphMode.NONE, key.uniform_decode)  # warm-up
+            self._dummy_run(key.num_tokens, runtime_mode, key.uniform_decode)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        sizes = sorted({key.num_tokens for _, key in keys})
+        logger.info(
+            "captured %d CUDA graphs (%s, sizes %d..%d) in %.2f s, using %.2f GiB",
+            len(keys),
+            self.compilation_config.cudagraph_mode.name,
+            sizes[0],
+            sizes[-1],
+            time.perf_counter() - start,
+            used / 2**30,
+        )
+
+    def initialize_cudagraph_capture(self) -> None:
+        """Give up FULL graphs if the attention backend cannot be captured, then fix the graph keys.
+
+        The reference plans every step on the host, which a graph cannot replay
+        (`AttentionCGSupport.NEVER`); its steps then run PIECEWISE, or without graphs when
+        nothing is compiled: vLLM's fallback for a FULL decode graph.
+        """
+        config = self.compilation_config
+        mode = config.cudagraph_mode
+        if (
+            mode.has_full_cudagraphs()
+            and self.attn_metadata_builder.cudagraph_support == AttentionCGSupport.NEVER
+        ):
+            fallback = (
+                CUDAGraphMode.PIECEWISE if config.level == CompilationLevel.PIECEWISE else CUDAGraphMode.NONE
+            )
+            logger.warning(
+                "cudagraph_mode=%s needs an attention backend a CUDA graph can capture, and %s cannot be: "
+                "using %s",
+                mode.name,
+                self.attn_backend.get_name(),
+                fallback.name,
+            )
+            config.cudagraph_mode = mode = fallback
+        self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
+
+    def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
+        """The persistent batch, with one block table per KV cache group of these block sizes."""
+        return InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=self.device,
+            pin_memory=self.pin_memory,
+            vocab_size=self.model_config.get_vocab_size(),
+            block_sizes=block_sizes,
+        )
+
+    def may_reinitialize_input_batch(self, kv_cache_config: KVCacheConfig) -> None:
+        """A persistent batch with one block table per group, if there is more than one group."""
+        block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
+        if block_sizes != [self.block_size]:
+            assert not self.requests, "the persistent batch is rebuilt before any request arrives"
+            self.input_batch = self._make_input_batch(block_sizes)
+
+    def _allocate_kv_cache_tensors(self, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
+        """One zeroed byte buffer per `KVCacheTensor`, under the name of every layer that shares it.
+
+        Zeros, not empty: a never-written slot must not hold NaNs that a masked attention
+        weight of 0 could still turn into NaN (0 * NaN). Layers of different groups may
+        share a buffer: the block pool never gives one block to two groups (chapter 12).
+        """
+        kv_cache_raw_tensors: dict[str, torch.Tensor] = {}
+        for kv_cache_tensor in kv_cache_config.kv_cache_tensors:
+            tensor = torch.zeros(kv_cache_tensor.size, dtype=torch.int8, device=self.device)
+            for layer_name in kv_cache_tensor.shared_by:
+                kv_cache_raw_tensors[layer_name] = tensor
+        return kv_cache_raw_tensors
+
+    def _reshape_kv_cache_tensors(
+        self, kv_cache_config: KVCacheConfig, kv_cache_raw_tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Each layer's byte buffer seen in its group's format: the backend's `get_kv_cache_shape`
+        (`[2, num_blocks, block_size, num_kv_heads, head_size]`) of the group's dtype."""
+        kv_caches: dict[str, torch.Tensor] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for layer_name in group.layer_names:
+                raw = kv_cache_raw_tensors[layer_name]
+                num_blocks = raw.numel() // spec.page_size_bytes
+                shape = self.attn_backend.get_kv_cache_shape(
+                    num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+                )
+                kv_caches[layer_name] = raw.view(spec.dtype).view(shape)
+        return kv_caches
+
+    def initialize_kv_cache_tensors(self, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
+        """The layers' KV caches: raw zeroed buffers, viewed in each group's format, bound to the layers."""
+        kv_cache_raw_tensors = self._allocate_kv_cache_tensors(kv_cache_config)
+        kv_caches = self._reshape_kv_cache_tensors(kv_cache_config, kv_cache_raw_tensors)
+        bind_kv_cache(kv_caches, self.attn_layers)
+        return kv_caches
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Take the KV cache groups, allocate the tensors, and bind each layer its view."""
+        self.kv_cache_config = kv_cache_config
+        self.may_reinitialize_input_batch(kv_cache_config)
+        self.initialize_kv_cache_tensors(kv_cache_config)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV cache format (chapter 12): a sliding window if the layer
+        has one, else full attention."""
+        assert self.attn_layers, "load_model() first: the specs are the model's attention layers'"
+        kv_cache_spec: dict[str, KVCacheSpec] = {}
+        for layer_name, layer in self.attn_layers.items():
+            if layer.sliding_window is not None:
+                kv_cache_spec[layer_name] = SlidingWindowSpec(
+                    self.block_size, layer.num_kv_heads, layer.head_size, self.dtype, layer.sliding_window
+                )
+            else:
+                kv_cache_spec[layer_name] = FullAttentionSpec(
+                    self.block_size, layer.num_kv_heads, layer.head_size, self.dtype
+                )
+        return kv_cache_spec

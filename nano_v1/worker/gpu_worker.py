@@ -8,14 +8,21 @@ cache once the model and its largest step fit, and forwards each step to the mod
 runner. With tensor parallelism (chapter 13) there is one worker per rank, each in its
 own process, behind the same interface: `init_device` joins the ranks through
 torch.distributed before the model is built, so that each layer can take its shard.
+
+What differs from v0.11.0: benchmarks time each step through the worker
+(`start_step_timing`, `stop_step_timing`, reached by `collective_rpc`), which installs a
+`StepTimer` on the model runner only while timing is on; vLLM has no such hook.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import time
+from typing import Any
 
 import torch
+from torch import nn
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
@@ -58,6 +65,7 @@ class Worker:
         # Bytes torch had allocated and reserved then: other engines' of this process, not this one's.
         self.init_torch_allocated = 0
         self.init_torch_reserved = 0
+        self.step_timer: StepTimer | None = None  # set between start_step_timing and stop_step_timing
 
     def init_device(self) -> None:
         self.device = torch.device(self.vllm_config.device_config.device)
@@ -159,12 +167,97 @@ class Worker:
 
     def start_step_timing(self) -> None:
         """Record a `StepTiming` for every step from now on (benchmarks call this by `collective_rpc`)."""
-        self.model_runner.step_timings = []
+        if self.step_timer is None:
+            self.step_timer = StepTimer(self.model_runner)
 
     def stop_step_timing(self) -> list[StepTiming]:
         """Stop recording; return the steps recorded since `start_step_timing`."""
-        timings, self.model_runner.step_timings = self.model_runner.step_timings or [], None
+        if self.step_timer is None:
+            return []
+        timings = self.step_timer.remove()
+        self.step_timer = None
         return timings
+
+
+class StepTimer:
+    """Records a `StepTiming` per step of a model runner, from outside the runner.
+
+    Installing it shadows three attributes of the runner instance with timed versions:
+    `execute_model` (the whole step), `_execute_mm_encoder` (the vision encoder) and
+    `model` (its call is the forward pass; every other attribute passes through to the
+    model). `remove` takes them away again, so that a runner not being timed runs no
+    timing code at all. Times are the host's: the step's one device -> host sync ends
+    `execute_model`, while a forward or encoder call may return before its kernels finish.
+    """
+
+    def __init__(self, runner: GPUModelRunner) -> None:
+        self.runner = runner
+        self.timings: list[StepTiming] = []
+        self._execute_model = runner.execute_model
+        self._execute_mm_encoder = runner._execute_mm_encoder
+        self._model = runner.model
+        # The current step's.
+        self.forward_s = self.encoder_s = 0.0
+        self.num_encoder_tokens = 0
+        runner.execute_model = self.execute_model
+        runner._execute_mm_encoder = self.execute_mm_encoder
+        runner.model = _TimedForward(self._model, self)
+
+    def remove(self) -> list[StepTiming]:
+        """Give the runner back its own attributes; return the steps recorded."""
+        del self.runner.execute_model, self.runner._execute_mm_encoder
+        self.runner.model = self._model
+        return self.timings
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.forward_s = self.encoder_s = 0.0
+        self.num_encoder_tokens = 0
+        start = time.perf_counter()
+        output = self._execute_model(scheduler_output)
+        execute_model_s = time.perf_counter() - start
+        if scheduler_output.total_num_scheduled_tokens > 0:  # else the step ran no model
+            self.timings.append(
+                StepTiming(
+                    num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                    num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
+                    execute_model_s=execute_model_s,
+                    forward_s=self.forward_s,
+                    encoder_s=self.encoder_s,
+                    num_encoder_tokens=self.num_encoder_tokens,
+                )
+            )
+        return output
+
+    def execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        self._execute_mm_encoder(scheduler_output)
+        self.encoder_s += time.perf_counter() - start
+        requests = self.runner.requests
+        self.num_encoder_tokens += sum(
+            requests[req_id].mm_features[input_id].mm_position.length
+            for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items()
+            for input_id in input_ids
+        )
+
+
+class _TimedForward:
+    """A model whose calls (forward passes) add their seconds to a `StepTimer`'s `forward_s`."""
+
+    def __init__(self, model: nn.Module, timer: StepTimer) -> None:
+        self.model = model
+        self.timer = timer
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names this wrapper lacks: the model's own (compute_logits, ...).
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        output = self.model(*args)
+        self.timer.forward_s += time.perf_counter() - start
+        return output
 
 
 def init_worker_distributed_environment(
