@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import nano_v1
 from nano_v1 import envs
 from nano_v1.config import ModelConfig, VllmConfig
-from nano_v1.engine import EngineDeadError
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
 from nano_v1.engine.processor import PromptType
