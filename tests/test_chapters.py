@@ -230,7 +230,8 @@ def test_chapter_00_map_lists_every_module_and_only_modules_that_exist():
 def test_map_paths_reads_the_first_column():
     text = (
         f"{MAP_HEADER}\n| --- | --- | --- |\n"
-        "| `core/{a,b}.py`, `x.py` (`X`, `y.py`) | `vllm/v1/core/` | 02 |\n| `multimodal/` | `vllm/multimodal/` | 11 |\n"
+        "| `core/{a,b}.py`, `x.py` (`X`, `y.py`) | `vllm/v1/core/` | 02 |\n"
+        "| `multimodal/` | `vllm/multimodal/` | 11 |\n"
         "\n| `after.py` |\n"
     )
     assert map_paths(text) == ["core/a.py", "core/b.py", "x.py", "multimodal/"]

@@ -357,13 +357,15 @@ def test_the_config_settles_the_encoder_budget(llava_llama, tiny_qwen3):
     from nano_v1.config import ModelConfig, SchedulerConfig, VllmConfig
 
     def budget(model: str, **scheduler_args) -> tuple[int | None, int | None]:
-        config = VllmConfig(model_config=ModelConfig(model=model), scheduler_config=SchedulerConfig(**scheduler_args))
-        return config.scheduler_config.max_num_encoder_input_tokens, config.scheduler_config.encoder_cache_size
+        scheduler_config = SchedulerConfig(**scheduler_args)
+        VllmConfig(model_config=ModelConfig(model=model), scheduler_config=scheduler_config)
+        return scheduler_config.max_num_encoder_input_tokens, scheduler_config.encoder_cache_size
 
     assert budget(tiny_qwen3) == (0, 0)  # never has encoder inputs
     assert budget(llava_llama, max_num_batched_tokens=64) == (64, 64)
-    assert budget(llava_llama, max_num_batched_tokens=8) == (NUM_IMAGE_TOKENS, NUM_IMAGE_TOKENS)  # one image fits
-    assert budget(llava_llama, max_num_batched_tokens=64, encoder_cache_size=4) == (64, 4)  # kept, if too small
+    # Raised to one image, so that any image fits; an explicit value is kept, even if too small.
+    assert budget(llava_llama, max_num_batched_tokens=8) == (NUM_IMAGE_TOKENS, NUM_IMAGE_TOKENS)
+    assert budget(llava_llama, max_num_batched_tokens=64, encoder_cache_size=4) == (64, 4)
     with pytest.raises(ValueError, match="disable_chunked_mm_input needs a whole image"):
         budget(llava_llama, max_num_batched_tokens=8, disable_chunked_mm_input=True)
 

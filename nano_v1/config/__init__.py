@@ -9,8 +9,8 @@ budget, the worker its cache size), and each slice checks its own fields when bu
 depends on more than one slice (the default token budget depends on the model's context;
 the compilation level on the device and `enforce_eager`; the encoder budget on the
 model's largest image) is settled once, in `VllmConfig.__post_init__`. Users never build
-these by hand: `LLM(**kwargs)` and the CLI speak in flat engine arguments (`nano_v1/engine/arg_utils.py::EngineArgs`), whose
-defaults are the fields' defaults here.
+these by hand: `LLM(**kwargs)` and the CLI speak in flat engine arguments
+(`nano_v1/engine/arg_utils.py::EngineArgs`), whose defaults are the fields' defaults here.
 """
 
 from __future__ import annotations
