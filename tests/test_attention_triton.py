@@ -24,7 +24,7 @@ from attention_utils import (
 
 from nano_v1.attention.ops import reference
 from nano_v1.attention.ops.triton_merge_attn_states import merge_attn_states
-from nano_v1.attention.ops.triton_reshape_and_cache_flash import reshape_and_cache_flash
+from nano_v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from nano_v1.attention.ops.triton_unified_attention import unified_attention
 
 pytestmark = pytest.mark.ch06
@@ -129,7 +129,7 @@ def test_reshape_and_cache_flash_writes_exactly_the_mapped_slots(dtype):
     rng = np.random.default_rng(3)
     torch.manual_seed(3)
     batch = make_paged_batch(rng, *random_batch(rng, 5), NUM_KV_HEADS, 2, 64, BLOCK_SIZE, dtype)
-    check_reshape_and_cache(reshape_and_cache_flash, batch, num_padding_slots=3)
+    check_reshape_and_cache(triton_reshape_and_cache_flash, batch, num_padding_slots=3)
 
 
 # ------------------------------------------------------------------------ merge_attn_states
@@ -271,7 +271,7 @@ def test_unified_attention_on_cuda_at_qwen3_shape(dtype):
     context_lens, query_lens = random_batch(rng, 24, max_context=1200, max_prefill=300)
     batch = make_paged_batch(rng, context_lens, query_lens, 8, 2, 128, BLOCK_SIZE, dtype)
     gpu = batch.to("cuda")
-    check_reshape_and_cache(reshape_and_cache_flash, gpu, num_padding_slots=5)
+    check_reshape_and_cache(triton_reshape_and_cache_flash, gpu, num_padding_slots=5)
     out = torch.full_like(gpu.q, float("nan"))
     lse = unified_attention(*gpu.attention_args(gpu.q, out, True), return_lse=True)
     atol, rtol = TOLERANCES[dtype]

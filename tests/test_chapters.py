@@ -182,3 +182,56 @@ def test_no_reader_facing_file_cites_the_developers_notes():
         if internal.search(line)
     ]
     assert not cited, "files a reader has cite notes a reader does not have:\n" + "\n".join(cited)
+
+
+# Chapter 00's map: "| `core/block_pool.py`, `core/{a,b}.py`, `multimodal/` (...) | vLLM | chapters |".
+MAP_HEADER = "| nano_v1 | vLLM | chapter |"
+MAP_PATH_RE = re.compile(r"[\w/{},.]+(?:\.py|/)")
+PARENTHESES_RE = re.compile(r"\([^()]*\)")  # a description: (`LLM`, `LLM.generate`), (`inputs.py`, ...)
+
+
+def map_paths(chapter_text: str) -> list[str]:
+    """The nano_v1 paths (relative to nano_v1/) of the map's first column, braces expanded."""
+    lines = chapter_text.split(MAP_HEADER + "\n", 1)[1].splitlines()
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines))[1:]  # past "| --- |"
+    return [
+        path
+        for row in rows
+        for span in CODE_SPAN_RE.findall(PARENTHESES_RE.sub("", row.split("|")[1]))
+        if MAP_PATH_RE.fullmatch(span)
+        for path in expand_braces(span)
+    ]
+
+
+def defines_code(module: Path) -> bool:
+    """A module defines a function or a class (a package that only re-exports does not)."""
+    tree = ast.parse(module.read_text(encoding="utf-8"))
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for node in tree.body)
+
+
+def test_chapter_00_map_lists_every_module_and_only_modules_that_exist():
+    """Every path in the map exists under nano_v1/, and every module that defines a function or
+    a class is in it, named or under a directory it names."""
+    listed = map_paths((REPO_ROOT / "chapters" / "00-why-v1.md").read_text(encoding="utf-8"))
+    package = REPO_ROOT / "nano_v1"
+    missing = [path for path in listed if not (package / path).exists()]
+    assert not missing, f"chapter 00's map names paths that do not exist under nano_v1/: {missing}"
+    directories = tuple(path for path in listed if path.endswith("/"))
+    unlisted = [
+        relative
+        for module in sorted(package.rglob("*.py"))
+        if defines_code(module)
+        and (relative := module.relative_to(package).as_posix()) not in listed
+        and not relative.startswith(directories)
+    ]
+    assert not unlisted, f"modules missing from chapter 00's map: {unlisted}"
+
+
+def test_map_paths_reads_the_first_column():
+    text = (
+        f"{MAP_HEADER}\n| --- | --- | --- |\n"
+        "| `core/{a,b}.py`, `x.py` (`X`, `y.py`) | `vllm/v1/core/` | 02 |\n"
+        "| `multimodal/` | `vllm/multimodal/` | 11 |\n"
+        "\n| `after.py` |\n"
+    )
+    assert map_paths(text) == ["core/a.py", "core/b.py", "x.py", "multimodal/"]

@@ -22,48 +22,54 @@ from nano_v1.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from nano_v1.config.utils import get_attr_docs
+from nano_v1.config.utils import CONFIG, CONFIG_FIELD, get_attr_docs
 from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
-from nano_v1.engine.arg_utils import _CLI_GROUPS, _CONFIG_FIELD, EngineArgs
+from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.forward_context import BatchDescriptor
 from nano_v1.sample.sampler import LogprobsTensors
 from nano_v1.spec_decode.metadata import calc_spec_decode_metadata
 
 pytestmark = pytest.mark.ch01
 
-# Engine arguments that take a whole config at once (a dict, or JSON on the CLI), not a field.
-WHOLE_CONFIGS = {"compilation_config", "speculative_config"}
-
-
-def config_field(name: str) -> tuple[type, str]:
-    """The config class and field an engine argument sets."""
-    for _, config_cls, names in _CLI_GROUPS:
-        if name in names:
-            return config_cls, _CONFIG_FIELD.get(name, name)
-    raise AssertionError(f"engine argument {name} is in no CLI group")
-
-
 def test_every_engine_argument_defaults_to_its_config_field():
     """One place per default: EngineArgs restates none of the configs' defaults."""
     for f in dataclasses.fields(EngineArgs):
-        if f.name in WHOLE_CONFIGS:
-            assert f.default is None
+        if CONFIG_FIELD not in f.metadata:  # a whole config, given at once (a dict, or JSON on the CLI)
+            assert f.default is None and f.metadata["help"], f.name
             continue
-        config_cls, name = config_field(f.name)
+        config_cls, name = f.metadata[CONFIG], f.metadata[CONFIG_FIELD]
         (target,) = [g for g in dataclasses.fields(config_cls) if g.name == name]
         assert (f.default, f.default_factory) == (target.default, target.default_factory), f.name
 
 
-def test_each_engine_argument_has_one_cli_group_and_a_help_text():
-    grouped = [name for _, _, names in _CLI_GROUPS for name in names]
-    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(EngineArgs))
-    assert len(grouped) == len(set(grouped))
-    for title, config_cls, names in _CLI_GROUPS:
-        if config_cls is not EngineArgs:
-            docs = get_attr_docs(config_cls)
-            assert all(_CONFIG_FIELD.get(n, n) in docs for n in names), title
+def test_the_cli_groups_each_flag_under_the_config_it_sets_with_a_help_text():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    grouped = {
+        group.title: {action.dest for action in group._group_actions}
+        for group in parser._action_groups
+        if group._group_actions and group.title not in ("positional arguments", "options")
+    }
+    expected: dict[str, set[str]] = {}
+    for f in dataclasses.fields(EngineArgs):
+        expected.setdefault(f.metadata[CONFIG].__name__, set()).add(f.name)
+    assert grouped == expected
+    assert {"ModelConfig", "CacheConfig", "SchedulerConfig", "CompilationConfig"} <= set(grouped)
     assert all(action.help for action in parser._actions if action.dest != "help")
+
+
+def test_engine_config_passes_every_argument_to_its_config(tiny_qwen3):
+    """Each argument, set to something other than its default, reaches the config field it names."""
+    changed = dict(
+        model=tiny_qwen3, seed=7, max_model_len=96, enforce_eager=True, device="cpu",
+        block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False, max_num_seqs=5,
+        scheduling_policy="priority", long_prefill_token_threshold=4, disable_chunked_mm_input=True,
+    )  # fmt: skip
+    config = EngineArgs(**changed).create_engine_config()
+    slices = {type(s): s for s in vars(config).values() if s is not None}
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in changed:
+            value = getattr(slices[f.metadata[CONFIG]], f.metadata[CONFIG_FIELD])
+            assert value == changed[f.name], f.name
 
 
 def test_attribute_docstrings_are_read_from_the_class_body():

@@ -29,24 +29,12 @@ from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from nano_v1.multimodal.registry import MultiModalRegistry
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.ch11
 
 PLACEHOLDER = 0  # the image token id every image position holds in the prompt
-
-
-class FixedSizeImages(MultiModalRegistry):
-    """A registry for a model without weights whose images take at most `max_image_tokens` positions."""
-
-    def __init__(self, max_image_tokens: int) -> None:
-        super().__init__()
-        self.max_image_tokens = max_image_tokens
-
-    def get_max_tokens_per_item_by_modality(self, model_config) -> dict[str, int]:
-        return {"image": self.max_image_tokens}
 
 
 def make_mm_scheduler(
@@ -64,13 +52,10 @@ def make_mm_scheduler(
         block_size=block_size, enable_prefix_caching=caching, num_gpu_blocks=num_blocks
     )
     config.scheduler_config = SchedulerConfig(**scheduler_config)
+    config.scheduler_config.resolve_encoder_budget(max_image_tokens)  # images of at most this many positions
     config.model_config = types.SimpleNamespace(max_model_len=max_model_len, is_multimodal_model=True)
     config.device_config = DeviceConfig("cpu")
-    return Scheduler(
-        config,
-        full_attention_kv_cache_config(num_blocks, block_size),
-        mm_registry=FixedSizeImages(max_image_tokens),
-    )
+    return Scheduler(config, full_attention_kv_cache_config(num_blocks, block_size))
 
 
 def image(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:

@@ -32,9 +32,9 @@ from nano_v1.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineDeadError,
     UtilityOutput,
 )
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.core import EngineCoreProc
 from nano_v1.engine.core_client import InprocClient, SyncMPClient
 from nano_v1.engine.detokenizer import IncrementalDetokenizer

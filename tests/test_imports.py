@@ -12,6 +12,8 @@ imports under `if TYPE_CHECKING:` never run, so neither counts; imports in class
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,6 +122,16 @@ def test_nano_v1_has_no_import_cycle():
     assert "nano_v1.engine.llm_engine" in graph["nano_v1.entrypoints.llm"]  # the edges were read
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_config_loads_the_model_registry_lazily():
+    """Importing `nano_v1.config` imports no model code: `ModelConfig.registry` loads it on first use."""
+    script = (
+        "import sys, nano_v1.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith('nano_v1.model_executor')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", f"importing nano_v1.config imported {result.stdout.strip()}"
 
 
 def test_the_checker_finds_a_cycle_and_ignores_what_runs_later(tmp_path):

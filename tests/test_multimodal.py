@@ -352,6 +352,24 @@ def test_an_image_larger_than_the_encoder_cache_is_rejected(llava_llama):
     assert request.prompt_token_ids == [5, 6] and request.mm_features is None
 
 
+def test_the_config_settles_the_encoder_budget(llava_llama, tiny_qwen3):
+    """Once, when the VllmConfig is built: the frontend and the scheduler both read it there."""
+    from nano_v1.config import ModelConfig, SchedulerConfig, VllmConfig
+
+    def budget(model: str, **scheduler_args) -> tuple[int | None, int | None]:
+        scheduler_config = SchedulerConfig(**scheduler_args)
+        VllmConfig(model_config=ModelConfig(model=model), scheduler_config=scheduler_config)
+        return scheduler_config.max_num_encoder_input_tokens, scheduler_config.encoder_cache_size
+
+    assert budget(tiny_qwen3) == (0, 0)  # never has encoder inputs
+    assert budget(llava_llama, max_num_batched_tokens=64) == (64, 64)
+    # Raised to one image, so that any image fits; an explicit value is kept, even if too small.
+    assert budget(llava_llama, max_num_batched_tokens=8) == (NUM_IMAGE_TOKENS, NUM_IMAGE_TOKENS)
+    assert budget(llava_llama, max_num_batched_tokens=64, encoder_cache_size=4) == (64, 4)
+    with pytest.raises(ValueError, match="disable_chunked_mm_input needs a whole image"):
+        budget(llava_llama, max_num_batched_tokens=8, disable_chunked_mm_input=True)
+
+
 def test_a_text_model_rejects_multi_modal_data(tiny_qwen3):
     with pytest.raises(ValueError, match="is not multimodal; it takes no multi_modal_data"):
         processor(tiny_qwen3).process_inputs(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import make_sampling_metadata
 
+from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.sampler import Sampler, apply_top_k_top_p
 
@@ -151,3 +153,46 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert torch.equal(ids[:, 0], sampled.long())
     assert torch.equal(ids[:, 1:], reference.topk(4).indices)
     torch.testing.assert_close(values.double(), reference.gather(1, ids), atol=1e-5, rtol=0)
+
+
+class OnlyToken(LogitsProcessor):
+    """Leaves one token possible in every row, and records the logits it was given."""
+
+    def __init__(self, token: int, argmax_invariant: bool) -> None:
+        self.token, self.argmax_invariant = token, argmax_invariant
+        self.seen: list[torch.Tensor] = []
+
+    def is_argmax_invariant(self) -> bool:
+        return self.argmax_invariant
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        self.seen.append(logits.clone())
+        keep = logits[:, self.token].clone()
+        logits.fill_(float("-inf"))[:, self.token] = keep
+        return logits
+
+
+def test_argmax_invariant_processors_run_after_greedy_rows_are_decided():
+    """As in v0.11.0: a processor that says it cannot change an argmax edits only the random
+    rows' temperature-scaled logits, and an all-greedy batch never calls it."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB)
+    logits[:, 0] = -10.0  # token 0 is nobody's argmax
+    argmax = logits.argmax(-1).tolist()
+    temperature = [0.0, 0.5, 0.0, 2.0]
+
+    invariant = OnlyToken(0, argmax_invariant=True)
+    md = dataclasses.replace(make_sampling_metadata([0.0] * 4), logitsprocs=[invariant])
+    assert sample(logits.clone(), md) == argmax and invariant.seen == []
+
+    md = dataclasses.replace(make_sampling_metadata(temperature), logitsprocs=[invariant])
+    assert sample(logits.clone(), md) == [argmax[0], 0, argmax[2], 0]
+    (seen,) = invariant.seen
+    torch.testing.assert_close(seen[[1, 3]], logits[[1, 3]] / torch.tensor([[0.5], [2.0]]))
+
+    # The same edit from a processor that can change an argmax reaches the greedy rows too.
+    md = dataclasses.replace(make_sampling_metadata(temperature), logitsprocs=[OnlyToken(0, False)])
+    assert sample(logits.clone(), md) == [0, 0, 0, 0]

@@ -35,8 +35,8 @@ from nano_v1 import LLM, SamplingParams
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.distributed import parallel_state
 from nano_v1.distributed.device_communicators.shm_broadcast import MessageQueue, QueueCancelledError
-from nano_v1.engine import EngineDeadError
 from nano_v1.engine.arg_utils import EngineArgs
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.model_executor.layers.linear import QKVParallelLinear
 
 pytestmark = pytest.mark.ch13

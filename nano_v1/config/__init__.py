@@ -7,10 +7,10 @@ Mirrors vllm/config/ (chapter 01): `ModelConfig` (model.py), `CacheConfig` (cach
 Why a class per part: each part of the engine reads only its own slice (the scheduler its
 budget, the worker its cache size), and each slice checks its own fields when built. What
 depends on more than one slice (the default token budget depends on the model's context;
-the compilation level on the device and `enforce_eager`) is settled once, in
-`VllmConfig.__post_init__`. Users never build these by hand: `LLM(**kwargs)` and the CLI
-speak in flat engine arguments (`nano_v1/engine/arg_utils.py::EngineArgs`), whose
-defaults are the fields' defaults here.
+the compilation level on the device and `enforce_eager`; the encoder budget on the
+model's largest image) is settled once, in `VllmConfig.__post_init__`. Users never build
+these by hand: `LLM(**kwargs)` and the CLI speak in flat engine arguments
+(`nano_v1/engine/arg_utils.py::EngineArgs`), whose defaults are the fields' defaults here.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from nano_v1.config.model import ATTENTION_BACKENDS, ModelConfig
 from nano_v1.config.parallel import ParallelConfig
 from nano_v1.config.scheduler import SchedulerConfig
 from nano_v1.config.speculative import SpeculativeConfig
+from nano_v1.multimodal import MULTIMODAL_REGISTRY
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class VllmConfig:
         """Settle what depends on several slices (vLLM: VllmConfig.__post_init__)."""
         model_config = self.model_config
         self.scheduler_config.resolve(model_config.max_model_len)
+        self.scheduler_config.resolve_encoder_budget(self._max_tokens_per_mm_item())
         if model_config.attention_backend is None:
             model_config.attention_backend = envs.attention_backend() or (
                 "FLASH_ATTN" if self.device_config.device.startswith("cuda") else "TORCH_REFERENCE"
@@ -94,6 +96,12 @@ class VllmConfig:
             self.scheduler_config.max_num_seqs,
             self.scheduler_config.max_num_batched_tokens,
         )
+
+    def _max_tokens_per_mm_item(self) -> int | None:
+        """The most positions one image can take (the model's processor says), None for a text-only model."""
+        if not MULTIMODAL_REGISTRY.supports_multimodal_inputs(self.model_config):
+            return None
+        return max(MULTIMODAL_REGISTRY.get_max_tokens_per_item_by_modality(self.model_config).values())
 
     def _verify_devices_for_ranks(self) -> None:
         """With several ranks on CUDA, rank r uses cuda:r of this machine (vLLM: local_rank)."""

@@ -5,6 +5,10 @@ Mirrors vllm/config/model.py (`ModelConfig`) (chapter 01).
 Why it exists: everything the engine needs to know about the model comes from the
 checkpoint directory's `config.json`, read once here; the rest of the engine asks this
 object (`get_num_kv_heads()`, `max_model_len`) instead of the Hugging Face config.
+
+What differs from v0.11.0: `ModelConfig.registry` is the registry module
+(`nano_v1/model_executor/models/__init__.py`), imported on first use; v0.11.0's returns
+the `ModelRegistry` object of a lazily loaded `vllm.model_executor.models`.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from nano_v1.config.parallel import ParallelConfig
-from nano_v1.model_executor.models import SUPPORTED_ARCHITECTURES, is_multimodal_model
 
 _DTYPES = {
     "float32": torch.float32,
@@ -81,10 +85,10 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{config_path} is not valid JSON: {e}") from e
         archs = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        supported = self.registry.SUPPORTED_ARCHITECTURES
+        if not any(a in supported for a in archs):
             raise ValueError(
-                f"model {self.model!r} has architectures {archs}; nano_v1 supports "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}."
+                f"model {self.model!r} has architectures {archs}; nano_v1 supports {sorted(supported)}."
             )
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(
@@ -121,9 +125,16 @@ class ModelConfig:
         return _DTYPES[dtype]
 
     @property
+    def registry(self) -> ModuleType:
+        """The model registry, imported on first use so that importing the config loads no model code."""
+        from nano_v1.model_executor import models
+
+        return models
+
+    @property
     def is_multimodal_model(self) -> bool:
         """Whether the architecture takes images besides text (chapter 11)."""
-        return is_multimodal_model(self.hf_config.architectures)
+        return self.registry.is_multimodal_model(self.hf_config.architectures)
 
     def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
         """Check that the model can be cut into `tensor_parallel_size` equal shards (chapter 13).

@@ -39,10 +39,10 @@ class SchedulerConfig:
     its first chunk (vLLM 0.33's option, on by default there; v0.11.0 has no such gate)."""
     max_num_encoder_input_tokens: int | None = None
     """Encoder compute budget of one step, in image tokens (chapter 11); default: max_num_batched_tokens,
-    or one image's tokens if more. vLLM v0.11.0 fixes it to that default."""
+    or one image's tokens if more; 0 for a text-only model. vLLM v0.11.0 fixes it to that default."""
     encoder_cache_size: int | None = None
     """Image tokens of encoder output the model runner may keep (chapter 11); default: max_num_batched_tokens,
-    or one image's tokens if more. vLLM v0.11.0 fixes it to that default."""
+    or one image's tokens if more; 0 for a text-only model. vLLM v0.11.0 fixes it to that default."""
     disable_chunked_mm_input: bool = False
     """Never split an image's positions across steps: a chunk that would end inside an image stops before it."""
 
@@ -76,3 +76,26 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({max_model_len}) with chunked prefill disabled: long prompts could never be scheduled."
             )
+
+    def resolve_encoder_budget(self, max_tokens_per_mm_item: int | None) -> None:
+        """Settle the encoder budget and cache size, in image tokens (vLLM: `compute_encoder_budget`).
+
+        `max_tokens_per_mm_item` is the most positions one image can take, None for a
+        text-only model, which never has encoder inputs: both become 0. Otherwise an unset
+        value becomes `max_num_batched_tokens`, raised to one image if that is larger, as
+        v0.11.0 always does, so that any one image fits. An explicit value smaller than an
+        image is kept: the frontend then rejects every request that has an image, and
+        text-only requests still run. Call after `resolve`.
+        """
+        if max_tokens_per_mm_item is None:
+            self.max_num_encoder_input_tokens = self.encoder_cache_size = 0
+            return
+        assert self.max_num_batched_tokens is not None
+        if self.disable_chunked_mm_input and max_tokens_per_mm_item > self.max_num_batched_tokens:
+            raise ValueError(
+                f"disable_chunked_mm_input needs a whole image ({max_tokens_per_mm_item} tokens) to fit in "
+                f"one step, but max_num_batched_tokens is {self.max_num_batched_tokens}: raise it."
+            )
+        default = max(self.max_num_batched_tokens, max_tokens_per_mm_item)
+        self.max_num_encoder_input_tokens = self.max_num_encoder_input_tokens or default
+        self.encoder_cache_size = self.encoder_cache_size or default

@@ -3,8 +3,9 @@
 Mirrors vllm/config/utils.py (chapter 01).
 
 Why it exists: each config field is written once, with its default and a docstring right
-under it. `EngineArgs` takes its defaults from those fields (`get_field`), and the CLI takes
-its help text from those docstrings (`get_attr_docs`), so neither is written twice.
+under it. `EngineArgs` takes its defaults from those fields (`get_field`, which also records
+which config and field each argument sets), and the CLI takes its help text from those
+docstrings (`get_attr_docs`), so neither is written twice.
 """
 
 from __future__ import annotations
@@ -17,15 +18,25 @@ from dataclasses import MISSING, Field, field
 from typing import Any
 
 
+# The keys of an EngineArgs field's metadata: the config class it sets, and that class's field.
+CONFIG = "config"
+CONFIG_FIELD = "config_field"
+
+
 def get_field(cls: type, name: str) -> Field:
-    """A fresh `field(...)` with the default (or default factory) of `cls.name`, for EngineArgs."""
+    """A fresh `field(...)` with the default (or default factory) of `cls.name`, for EngineArgs.
+
+    Its metadata names `cls` and `name`, so that EngineArgs can build the config and group
+    the CLI flag from the field alone (vLLM's carries the default only).
+    """
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if name not in fields:
         raise ValueError(f"{cls.__name__} has no field {name!r}.")
+    metadata = {CONFIG: cls, CONFIG_FIELD: name}
     if fields[name].default_factory is not MISSING:
-        return field(default_factory=fields[name].default_factory)
+        return field(default_factory=fields[name].default_factory, metadata=metadata)
     if fields[name].default is not MISSING:
-        return field(default=fields[name].default)
+        return field(default=fields[name].default, metadata=metadata)
     raise ValueError(f"{cls.__name__}.{name} has no default for EngineArgs to take.")
 
 

@@ -1,7 +1,6 @@
 """The scheduler's view of the encoder cache: which images' encoder outputs the model runner holds.
 
-Mirrors vllm/v1/core/encoder_cache_manager.py (`EncoderCacheManager`, `compute_encoder_budget`)
-(chapter 11).
+Mirrors vllm/v1/core/encoder_cache_manager.py (`EncoderCacheManager`) (chapter 11).
 
 Why it exists: an image's encoder output is needed for every step whose chunk covers one
 of its positions, and the image is encoded whole, so the output must outlive the step
@@ -18,18 +17,19 @@ the `KVCacheManager` is for KV blocks, and with the same life cycle of an entry:
 
 Entries are keyed by content (`mm_hash`), so one image in a hundred requests is encoded
 once, as long as it is not evicted in between.
+
+What differs from v0.11.0: its `compute_encoder_budget` (the budget and the cache's size,
+which the scheduler computes when it is built) is here
+`nano_v1/config/scheduler.py::SchedulerConfig.resolve_encoder_budget`, settled once when
+the `VllmConfig` is built, so the frontend's check of an image's size reads the config
+instead of importing the engine core's modules.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from nano_v1.request import Request
-
-if TYPE_CHECKING:
-    from nano_v1.config import ModelConfig, SchedulerConfig
-    from nano_v1.multimodal.registry import MultiModalRegistry
 
 
 class EncoderCacheManager:
@@ -131,28 +131,3 @@ class EncoderCacheManager:
         freed, self.freed = self.freed, []
         return freed
 
-
-def compute_encoder_budget(
-    model_config: ModelConfig, scheduler_config: SchedulerConfig, mm_registry: MultiModalRegistry
-) -> tuple[int, int]:
-    """(encoder compute budget per step, encoder cache size), both in image tokens.
-
-    0 and 0 for a text-only model: it never has encoder inputs. For a multimodal model the
-    configured values, or by default `max_num_batched_tokens`, raised to one item's size
-    if that is larger, as vLLM v0.11.0 always does, so that any one image fits. An
-    explicit value smaller than an image is kept: the frontend then rejects every request
-    that has an image (`Processor`), and text-only requests still run.
-    """
-    if not mm_registry.supports_multimodal_inputs(model_config):
-        return 0, 0
-    max_tokens_per_mm_item = max(mm_registry.get_max_tokens_per_item_by_modality(model_config).values())
-    max_num_batched_tokens = scheduler_config.max_num_batched_tokens
-    if scheduler_config.disable_chunked_mm_input and max_tokens_per_mm_item > max_num_batched_tokens:
-        raise ValueError(
-            f"disable_chunked_mm_input needs a whole image ({max_tokens_per_mm_item} tokens) to fit in one step, "
-            f"but max_num_batched_tokens is {max_num_batched_tokens}: raise it."
-        )
-    default = max(max_num_batched_tokens, max_tokens_per_mm_item)
-    encoder_compute_budget = scheduler_config.max_num_encoder_input_tokens or default
-    encoder_cache_size = scheduler_config.encoder_cache_size or default
-    return encoder_compute_budget, encoder_cache_size

@@ -83,10 +83,3 @@ class EngineCoreRequestType(enum.Enum):
     # Never on the wire: the executor's failure callback puts it on the input queue (chapter 13).
     EXECUTOR_FAILED = b"\x03"
 
-
-class EngineDeadError(Exception):
-    """The engine-core process is gone; nothing more can be served (mirrors vllm/v1/engine/exceptions.py)."""
-
-    def __init__(self, detail: str = "") -> None:
-        message = "the engine core process died or stopped responding"
-        super().__init__(f"{message}: {detail}" if detail else f"{message}; see its log above for the cause.")

@@ -5,8 +5,14 @@ Mirrors vllm/engine/arg_utils.py (`EngineArgs`, `add_cli_args`, `from_cli_args`,
 
 Why two layers: users speak in flat keyword arguments with vLLM's names
 (`LLM(model, block_size=16, max_num_seqs=64)`, `--max-num-seqs 64`); the engine's parts
-each want only their own slice. Every default is the config field's own (`get_field`),
-and every flag's help is that field's docstring, so nothing here restates a config.
+each want only their own slice. Each argument is written once: `get_field` gives it the
+config field's default and records which config class and field it sets, and from that
+`create_engine_config` builds the slices and `add_cli_args` groups the flags by config,
+each flag's help being that field's docstring. Nothing here restates a config.
+
+What differs from v0.11.0: vLLM's `get_field` carries only the default; its
+`add_cli_args` names every flag again under a hand-written group per config, and
+`create_engine_config` passes every field by hand.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nano_v1.config import (
@@ -27,48 +33,57 @@ from nano_v1.config import (
     SpeculativeConfig,
     VllmConfig,
 )
-from nano_v1.config.utils import get_attr_docs, get_field
+from nano_v1.config.utils import CONFIG, CONFIG_FIELD, get_attr_docs, get_field
 
 
 @dataclass
 class EngineArgs:
     """The arguments of `LLM(...)` and of the CLI's engine flags, with vLLM's names."""
 
-    # ModelConfig
     model: str = get_field(ModelConfig, "model")
-    tokenizer: str | None = ModelConfig.tokenizer
-    dtype: str = ModelConfig.dtype
-    seed: int = ModelConfig.seed
-    max_model_len: int | None = ModelConfig.max_model_len
-    load_format: str = ModelConfig.load_format
-    enforce_eager: bool = ModelConfig.enforce_eager
-    attention_backend: str | None = ModelConfig.attention_backend
-    disable_cascade_attn: bool = ModelConfig.disable_cascade_attn
-    # DeviceConfig
-    device: str = DeviceConfig.device
-    # ParallelConfig
-    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
-    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
-    # CacheConfig
-    block_size: int = CacheConfig.block_size
-    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
-    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
-    kv_cache_memory_bytes: int = CacheConfig.kv_cache_memory_bytes
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
-    # SchedulerConfig
-    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
-    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
-    scheduling_policy: str = SchedulerConfig.policy
-    disable_hybrid_kv_cache_manager: bool = SchedulerConfig.disable_hybrid_kv_cache_manager
-    scheduler_reserve_full_isl: bool = SchedulerConfig.scheduler_reserve_full_isl
-    max_num_encoder_input_tokens: int | None = SchedulerConfig.max_num_encoder_input_tokens
-    encoder_cache_size: int | None = SchedulerConfig.encoder_cache_size
-    disable_chunked_mm_input: bool = SchedulerConfig.disable_chunked_mm_input
-    # CompilationConfig and SpeculativeConfig, each given whole (a dict, or JSON on the CLI)
-    compilation_config: CompilationConfig | dict | int | str | None = None
-    speculative_config: dict[str, Any] | str | None = None
+    tokenizer: str | None = get_field(ModelConfig, "tokenizer")
+    dtype: str = get_field(ModelConfig, "dtype")
+    seed: int = get_field(ModelConfig, "seed")
+    max_model_len: int | None = get_field(ModelConfig, "max_model_len")
+    load_format: str = get_field(ModelConfig, "load_format")
+    enforce_eager: bool = get_field(ModelConfig, "enforce_eager")
+    attention_backend: str | None = get_field(ModelConfig, "attention_backend")
+    disable_cascade_attn: bool = get_field(ModelConfig, "disable_cascade_attn")
+    device: str = get_field(DeviceConfig, "device")
+    tensor_parallel_size: int = get_field(ParallelConfig, "tensor_parallel_size")
+    distributed_executor_backend: str | None = get_field(ParallelConfig, "distributed_executor_backend")
+    block_size: int = get_field(CacheConfig, "block_size")
+    gpu_memory_utilization: float = get_field(CacheConfig, "gpu_memory_utilization")
+    num_gpu_blocks_override: int | None = get_field(CacheConfig, "num_gpu_blocks_override")
+    kv_cache_memory_bytes: int = get_field(CacheConfig, "kv_cache_memory_bytes")
+    enable_prefix_caching: bool = get_field(CacheConfig, "enable_prefix_caching")
+    max_num_batched_tokens: int | None = get_field(SchedulerConfig, "max_num_batched_tokens")
+    max_num_seqs: int = get_field(SchedulerConfig, "max_num_seqs")
+    enable_chunked_prefill: bool = get_field(SchedulerConfig, "enable_chunked_prefill")
+    long_prefill_token_threshold: int = get_field(SchedulerConfig, "long_prefill_token_threshold")
+    scheduling_policy: str = get_field(SchedulerConfig, "policy")  # vLLM's argument name
+    disable_hybrid_kv_cache_manager: bool = get_field(SchedulerConfig, "disable_hybrid_kv_cache_manager")
+    scheduler_reserve_full_isl: bool = get_field(SchedulerConfig, "scheduler_reserve_full_isl")
+    max_num_encoder_input_tokens: int | None = get_field(SchedulerConfig, "max_num_encoder_input_tokens")
+    encoder_cache_size: int | None = get_field(SchedulerConfig, "encoder_cache_size")
+    disable_chunked_mm_input: bool = get_field(SchedulerConfig, "disable_chunked_mm_input")
+    # Whole configs, each given at once (a dict, or JSON on the CLI); the help is the flag's own.
+    compilation_config: CompilationConfig | dict | int | str | None = field(
+        default=None,
+        metadata={
+            CONFIG: CompilationConfig,
+            "help": 'CompilationConfig as JSON, e.g. \'{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}\', '
+            "or an int level (chapter 08).",
+        },
+    )
+    speculative_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            CONFIG: SpeculativeConfig,
+            "help": 'SpeculativeConfig as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+            "(chapter 10).",
+        },
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -81,27 +96,30 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """One `--flag` per field, grouped by the config it builds, help from that config's docstrings.
+        """One `--flag` per field, in one group per config class, help from that config's docstrings.
 
         Every flag defaults to None, so `from_cli_args` can tell a flag the user gave from
         one left alone (which then keeps the dataclass default).
         """
         hints = typing.get_type_hints(EngineArgs)
-        for title, config_cls, names in _CLI_GROUPS:
-            group = parser.add_argument_group(title)
-            docs = get_attr_docs(config_cls)
-            for name in names:
-                flag = "--" + name.replace("_", "-")
-                help_text = docs.get(_CONFIG_FIELD.get(name, name), _WHOLE_CONFIG_HELP.get(name))
-                hint = hints[name]
-                if hint is bool:
-                    group.add_argument(
-                        flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-                    )
-                else:
-                    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-                    kind = base if base in (int, float) else str
-                    group.add_argument(flag, type=kind, default=None, help=help_text)
+        groups: dict[type, Any] = {}  # config class -> its argument group, in the order of the fields
+        for f in dataclasses.fields(EngineArgs):
+            config_cls = f.metadata[CONFIG]
+            if config_cls not in groups:
+                groups[config_cls] = parser.add_argument_group(config_cls.__name__)
+            group = groups[config_cls]
+            if CONFIG_FIELD in f.metadata:
+                help_text = get_attr_docs(config_cls)[f.metadata[CONFIG_FIELD]]
+            else:
+                help_text = f.metadata["help"]
+            flag = "--" + f.name.replace("_", "-")
+            hint = hints[f.name]
+            if hint is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            else:
+                base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+                kind = base if base in (int, float) else str
+                group.add_argument(flag, type=kind, default=None, help=help_text)
         return parser
 
     @classmethod
@@ -110,108 +128,24 @@ class EngineArgs:
         given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in given.items() if value is not None})
 
+    def config_kwargs(self, config_cls: type) -> dict[str, Any]:
+        """The fields of `config_cls` these arguments set, by the config's field names."""
+        return {
+            f.metadata[CONFIG_FIELD]: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata[CONFIG] is config_cls and CONFIG_FIELD in f.metadata
+        }
+
     def create_engine_config(self) -> VllmConfig:
         """Build and check every slice; `VllmConfig` settles what depends on several of them."""
         return VllmConfig(
-            model_config=ModelConfig(
-                model=self.model,
-                tokenizer=self.tokenizer,
-                dtype=self.dtype,
-                seed=self.seed,
-                max_model_len=self.max_model_len,
-                load_format=self.load_format,
-                enforce_eager=self.enforce_eager,
-                attention_backend=self.attention_backend,
-                disable_cascade_attn=self.disable_cascade_attn,
-            ),
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                policy=self.scheduling_policy,
-                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
-                scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
-                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
-                encoder_cache_size=self.encoder_cache_size,
-                disable_chunked_mm_input=self.disable_chunked_mm_input,
-            ),
-            device_config=DeviceConfig(self.device),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-            ),
+            model_config=ModelConfig(**self.config_kwargs(ModelConfig)),
+            cache_config=CacheConfig(**self.config_kwargs(CacheConfig)),
+            scheduler_config=SchedulerConfig(**self.config_kwargs(SchedulerConfig)),
+            device_config=DeviceConfig(**self.config_kwargs(DeviceConfig)),
+            parallel_config=ParallelConfig(**self.config_kwargs(ParallelConfig)),
             compilation_config=CompilationConfig.from_arg(self.compilation_config),
             speculative_config=None
             if self.speculative_config is None
             else SpeculativeConfig.from_dict(self.speculative_config),
         )
-
-
-# The CLI's groups: (title, the config whose docstrings give the help, EngineArgs fields).
-_CLI_GROUPS: list[tuple[str, type, list[str]]] = [
-    (
-        "model (ModelConfig)",
-        ModelConfig,
-        [
-            "model",
-            "tokenizer",
-            "dtype",
-            "seed",
-            "max_model_len",
-            "load_format",
-            "enforce_eager",
-            "attention_backend",
-            "disable_cascade_attn",
-        ],
-    ),
-    ("device (DeviceConfig)", DeviceConfig, ["device"]),
-    (
-        "parallelism (ParallelConfig)",
-        ParallelConfig,
-        ["tensor_parallel_size", "distributed_executor_backend"],
-    ),
-    (
-        "KV cache (CacheConfig)",
-        CacheConfig,
-        [
-            "block_size",
-            "gpu_memory_utilization",
-            "num_gpu_blocks_override",
-            "kv_cache_memory_bytes",
-            "enable_prefix_caching",
-        ],
-    ),
-    (
-        "scheduler (SchedulerConfig)",
-        SchedulerConfig,
-        [
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "enable_chunked_prefill",
-            "long_prefill_token_threshold",
-            "scheduling_policy",
-            "disable_hybrid_kv_cache_manager",
-            "scheduler_reserve_full_isl",
-            "max_num_encoder_input_tokens",
-            "encoder_cache_size",
-            "disable_chunked_mm_input",
-        ],
-    ),
-    ("compilation and speculative decoding", EngineArgs, ["compilation_config", "speculative_config"]),
-]
-# Engine-argument names that differ from their config field (vLLM's too).
-_CONFIG_FIELD = {"scheduling_policy": "policy"}
-_WHOLE_CONFIG_HELP = {
-    "compilation_config": 'CompilationConfig as JSON, e.g. \'{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}\', '
-    "or an int level (chapter 08).",
-    "speculative_config": 'SpeculativeConfig as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-    "(chapter 10).",
-}

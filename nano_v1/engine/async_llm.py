@@ -21,9 +21,9 @@ import logging
 from collections.abc import AsyncGenerator, Sequence
 
 from nano_v1.config import VllmConfig
-from nano_v1.engine import EngineDeadError
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.core_client import AsyncMPClient, EngineCoreClient
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.llm_engine import fan_out
 from nano_v1.engine.output_processor import OutputProcessor
 from nano_v1.engine.processor import Processor, PromptType, load_tokenizer

@@ -38,9 +38,9 @@ from nano_v1.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineDeadError,
     UtilityOutput,
 )
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor import Executor
 from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.request import Request, RequestStatus

@@ -45,9 +45,9 @@ from nano_v1.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineDeadError,
     UtilityOutput,
 )
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.core import EngineCore, EngineCoreProc
 from nano_v1.utils import get_mp_context, make_zmq_socket, start_process
 

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from nano_v1.config import ModelConfig, VllmConfig
-from nano_v1.core.encoder_cache_manager import compute_encoder_budget
 from nano_v1.engine import EngineCoreRequest
 from nano_v1.multimodal import MULTIMODAL_REGISTRY
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
@@ -87,9 +86,9 @@ class Processor:
         self.mm_processor = None
         if MULTIMODAL_REGISTRY.supports_multimodal_inputs(model_config):
             self.mm_processor = MULTIMODAL_REGISTRY.create_processor(model_config)
-        self.max_num_encoder_input_tokens, self.encoder_cache_size = compute_encoder_budget(
-            model_config, vllm_config.scheduler_config, MULTIMODAL_REGISTRY
-        )
+        scheduler_config = vllm_config.scheduler_config
+        self.max_num_encoder_input_tokens = scheduler_config.max_num_encoder_input_tokens
+        self.encoder_cache_size = scheduler_config.encoder_cache_size
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids), validating their form."""

@@ -35,7 +35,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM (exit 0, open requests finished) or the engine core's death (exit 1)."""
-    from nano_v1.engine import EngineDeadError
+    from nano_v1.engine.exceptions import EngineDeadError
     from nano_v1.entrypoints.openai.api_server import install_signal_handlers, run_server
 
     if args.model_tag is not None:

@@ -42,7 +42,7 @@ import torch
 from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.distributed.device_communicators.shm_broadcast import Handle, MessageQueue, QueueCancelledError
-from nano_v1.engine import EngineDeadError
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import Executor, FailureCallback, RpcMethod
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.utils import (

@@ -49,7 +49,7 @@ class MultiModalRegistry:
         model_cls = resolve_model_cls(model_config.hf_config.architectures)  # importing it registers it
         return self._processor_factories[model_cls]
 
-    def create_processing_info(self, model_config: ModelConfig) -> BaseProcessingInfo:
+    def _create_processing_info(self, model_config: ModelConfig) -> BaseProcessingInfo:
         _, info_cls = self._get_factories(model_config)
         return info_cls(model_config)
 
@@ -59,7 +59,7 @@ class MultiModalRegistry:
 
     def get_max_tokens_per_item_by_modality(self, model_config: ModelConfig) -> dict[str, int]:
         """The most placeholder positions one item of each modality can take: {"image": 576}."""
-        return self.create_processing_info(model_config).get_mm_max_tokens_per_item()
+        return self._create_processing_info(model_config).get_mm_max_tokens_per_item()
 
 
 MULTIMODAL_REGISTRY = MultiModalRegistry()

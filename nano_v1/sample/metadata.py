@@ -33,5 +33,5 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # Largest `logprobs` asked for in the batch; None when nobody asked.
     max_num_logprobs: int | None
-    # Applied to the logits before sampling, in order (vLLM: the non-argmax-invariant ones).
+    # In order: the non-argmax-invariant ones before sampling, the others to random rows only.
     logitsprocs: Sequence[LogitsProcessor] = ()

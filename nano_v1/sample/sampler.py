@@ -51,14 +51,17 @@ class Sampler(nn.Module):
 
     Logprobs, when asked for, are those of the model's raw distribution (log_softmax of
     the logits before logits processors, temperature and truncation), as in vLLM's
-    default mode.
+    default mode. Logits processors that can change an argmax edit the logits before
+    any row is sampled; argmax-invariant ones edit the temperature-scaled logits of the
+    random rows only (`LogitsProcessor.is_argmax_invariant`).
     """
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = sampling_metadata.max_num_logprobs
         raw_logprobs = None if num_logprobs is None else self.compute_logprobs(logits)
         for processor in sampling_metadata.logitsprocs:
-            logits = processor.apply(logits)  # e.g. no EOS before min_tokens
+            if not processor.is_argmax_invariant():
+                logits = processor.apply(logits)  # e.g. no EOS before min_tokens
         sampled = self.sample(logits.to(torch.float32), sampling_metadata)  # [num_reqs] int64
         return SamplerOutput(
             sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1),  # [num_reqs, 1]
@@ -75,6 +78,11 @@ class Sampler(nn.Module):
             return greedy_sampled
         assert md.temperature is not None
         logits = self.apply_temperature(logits, md.temperature)
+        # Processors that cannot change an argmax (min-p, say) matter only to random rows, so
+        # they run after the greedy rows are decided, and not at all in an all-greedy batch.
+        for processor in md.logitsprocs:
+            if processor.is_argmax_invariant():
+                logits = processor.apply(logits)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         random_sampled = random_sample(probs, md.generators)

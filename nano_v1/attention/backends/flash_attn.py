@@ -54,10 +54,10 @@ def triton_attention_ops() -> AttentionOps:
     """nano_v1's Triton kernels (chapter 06), imported only when a backend that calls them is
     built, so nano_v1 runs without Triton."""
     from nano_v1.attention.ops.triton_merge_attn_states import merge_attn_states
-    from nano_v1.attention.ops.triton_reshape_and_cache_flash import reshape_and_cache_flash
+    from nano_v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
     from nano_v1.attention.ops.triton_unified_attention import unified_attention
 
-    return AttentionOps(reshape_and_cache_flash, unified_attention, merge_attn_states)
+    return AttentionOps(triton_reshape_and_cache_flash, unified_attention, merge_attn_states)
 
 
 def get_num_sms(device: torch.device) -> int:

@@ -58,7 +58,7 @@ def _reshape_and_cache_kernel(
     # END TASK
 
 
-def reshape_and_cache_flash(
+def triton_reshape_and_cache_flash(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]

@@ -24,6 +24,10 @@ token budget, and `_try_schedule_encoder_inputs` adds one rule: a chunk may cove
 image's positions only if the image's encoder output is cached or the image is encoded
 in this very step, whole, within the step's encoder compute budget and the encoder
 cache's space. Otherwise the chunk stops just before the image.
+
+What differs from v0.11.0: the encoder budget and cache size come settled in the
+`SchedulerConfig` (`SchedulerConfig.resolve_encoder_budget`); v0.11.0's scheduler takes
+an `mm_registry` and computes them itself (`compute_encoder_budget`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nano_v1.config import VllmConfig
-from nano_v1.core.encoder_cache_manager import EncoderCacheManager, compute_encoder_budget
+from nano_v1.core.encoder_cache_manager import EncoderCacheManager
 from nano_v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.request_queue import create_request_queue
@@ -39,7 +43,6 @@ from nano_v1.core.sched.utils import check_stop
 from nano_v1.engine import EngineCoreOutput, EngineCoreOutputs
 from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.metrics.stats import SchedulerStats
-from nano_v1.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.spec_decode.metrics import SpecDecodingStats
@@ -50,7 +53,6 @@ class Scheduler:
         self,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        mm_registry: MultiModalRegistry = MULTIMODAL_REGISTRY,
     ) -> None:
         scheduler_config = vllm_config.scheduler_config
         cache_config = vllm_config.cache_config
@@ -81,11 +83,8 @@ class Scheduler:
 
         # The encoder (chapter 11): image tokens it may compute per step, and the cache of
         # its outputs the model runner keeps; both 0 for a text-only model.
-        encoder_compute_budget, encoder_cache_size = compute_encoder_budget(
-            vllm_config.model_config, scheduler_config, mm_registry
-        )
-        self.max_num_encoder_input_tokens = encoder_compute_budget
-        self.encoder_cache_manager = EncoderCacheManager(cache_size=encoder_cache_size)
+        self.max_num_encoder_input_tokens = scheduler_config.max_num_encoder_input_tokens
+        self.encoder_cache_manager = EncoderCacheManager(cache_size=scheduler_config.encoder_cache_size)
         self.disable_chunked_mm_input = scheduler_config.disable_chunked_mm_input
 
         self.requests: dict[str, Request] = {}

@@ -43,9 +43,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import nano_v1
 from nano_v1 import envs
 from nano_v1.config import VllmConfig
-from nano_v1.engine import EngineDeadError
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.entrypoints.launcher import create_server_socket, serve_http
 from nano_v1.entrypoints.openai.hardening import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,

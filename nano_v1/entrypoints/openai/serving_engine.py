@@ -33,8 +33,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nano_v1.engine import EngineDeadError
 from nano_v1.engine.async_llm import AsyncLLM
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.processor import PromptType
 from nano_v1.entrypoints.chat_utils import parse_chat_messages
 from nano_v1.entrypoints.openai.protocol import (

@@ -40,7 +40,12 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
-        """True if greedy sampling never changes under this processor (then greedy steps may skip it)."""
+        """True if this processor never changes a row's argmax (min-p, say).
+
+        The sampler then applies it after the greedy rows have taken their argmax, to the
+        temperature-scaled logits, and skips it in an all-greedy batch; otherwise it edits
+        the raw logits before any row is sampled.
+        """
 
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
