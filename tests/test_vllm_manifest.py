@@ -233,9 +233,7 @@ def test_the_checks_can_see_citations():
 
 
 # Public names of mirroring modules that their v0.11.0 files do not define: nano_v1's own, and why
-# (module -> name -> reason). Names in another engineer's files that v0.11.0 spells otherwise are
-# PARALLEL_BRANCH until that branch renames them.
-PARALLEL_BRANCH = "renamed in a parallel branch"
+# (module -> name -> reason).
 OWN_NAMES: dict[str, dict[str, str]] = {
     "nano_v1/attention/backends/flash_attn.py": {
         "triton_attention_ops": "our Triton kernels stand in for vLLM's FlashAttention ops",
@@ -274,9 +272,6 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "tensor_addresses": "the replay-time address check, a debug aid vLLM keeps inline",
         "CUDAGraphWrapper.capture": "the halves of v0.11.0's CUDAGraphWrapper.__call__",
         "CUDAGraphWrapper.replay": "the halves of v0.11.0's CUDAGraphWrapper.__call__",
-    },
-    "nano_v1/compilation/decorators.py": {
-        "compile_forward": PARALLEL_BRANCH + " (v0.11.0: support_torch_compile)",
     },
     "nano_v1/config/compilation.py": {
         "CompilationConfig.from_arg": (
@@ -384,13 +379,15 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "LLM.from_engine_args": "v0.11.0 has from_engine_args on LLMEngine and AsyncLLM, not LLM",
     },
     "nano_v1/entrypoints/openai/api_server.py": {
-        "error_body": "the OpenAI error JSON, which v0.11.0 builds in serving_engine.py",
-        "create_error_response": "v0.11.0 has it on OpenAIServing (serving_engine.py)",
         "metrics": "the /metrics route, which v0.11.0 mounts from prometheus_client",
-        "chat_prompt": "the chat template step of v0.11.0's OpenAIServingChat",
+        "validation_exception_handler": "v0.11.0 defines it inside build_app, out of the manifest's sight",
+        "http_exception_handler": "v0.11.0 defines it inside build_app, out of the manifest's sight",
         "make_stat_loggers": "the server's stat loggers, which v0.11.0 builds in AsyncLLM",
         "default_served_model_name": "v0.11.0 derives it in its CLI arguments",
         "install_signal_handlers": "graceful shutdown, which v0.11.0 leaves to uvicorn",
+    },
+    "nano_v1/entrypoints/openai/serving_engine.py": {
+        "usage_info": "the usage block both endpoints answer with; v0.11.0 builds UsageInfo inline in each",
     },
     "nano_v1/entrypoints/openai/protocol.py": {
         "SamplingRequest.num_logprobs": "a base class of the two requests, which v0.11.0 does not share",
@@ -513,17 +510,9 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "start_process": "starts a daemon process with a readable name; v0.11.0 does it inline",
         "exit_when_parent_dies": "a child's watchdog on its parent; v0.11.0 relies on its process monitor",
     },
-    "nano_v1/worker/dummy_run_model_runner_mixin.py": {
-        "DummyRunModelRunnerMixin.profile_run": PARALLEL_BRANCH + " (folded back into GPUModelRunner)",
-        "DummyRunModelRunnerMixin.capture_model": PARALLEL_BRANCH + " (folded back into GPUModelRunner)",
-    },
     "nano_v1/worker/gpu_input_batch.py": {
         "CachedRequestState.from_new_request": "v0.11.0 builds it inline in GPUModelRunner._update_states",
         "CachedRequestState.num_prompt_tokens": "v0.11.0 sets it as a field in __post_init__",
-        "InputBatch.refresh_sampling_metadata": PARALLEL_BRANCH + " (v0.11.0: refresh_metadata)",
-        "InputBatch.update_logitsprocs": (
-            "v0.11.0 hands the batch update to LogitsProcessors in refresh_metadata"
-        ),
         "InputBatch.sampling_metadata_for_step": (
             "drops discarded rows' generators; v0.11.0 does it in the runner"
         ),
@@ -531,16 +520,9 @@ OWN_NAMES: dict[str, dict[str, str]] = {
     "nano_v1/worker/gpu_worker.py": {
         "Worker.start_step_timing": "the step timing the scheduler-overhead measurement reads",
         "Worker.stop_step_timing": "the step timing the scheduler-overhead measurement reads",
-    },
-    "nano_v1/worker/utils.py": {
-        "execute_mm_encoder": "v0.11.0 has it as GPUModelRunner._execute_mm_encoder",
-        "gather_mm_embeddings": "v0.11.0 has it as GPUModelRunner._gather_mm_embeddings",
-        "get_kv_cache_spec": "v0.11.0 has it as GPUModelRunner.get_kv_cache_spec",
-        "allocate_kv_cache_tensors": "v0.11.0 has it as GPUModelRunner._allocate_kv_cache_tensors",
-        "reshape_kv_cache_tensors": "v0.11.0 has it as GPUModelRunner._reshape_kv_cache_tensors",
-        "compute_cascade_attn_prefix_len": (
-            "v0.11.0 has it as GPUModelRunner._compute_cascade_attn_prefix_len"
-        ),
+        "StepTimer.execute_model": "the benchmarks' step timer, nano_v1's own (start_step_timing)",
+        "StepTimer.execute_mm_encoder": "the benchmarks' step timer, nano_v1's own (start_step_timing)",
+        "StepTimer.remove": "the benchmarks' step timer, nano_v1's own (start_step_timing)",
     },
 }
 # Packages whose public names are all nano_v1's own.
