@@ -15,10 +15,10 @@ import tarfile
 
 import pytest
 
-from nano_v1.benchmarks import device_run
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.gpu_suite import DEFAULT_TIME_BUDGET_S, MEASUREMENTS
-from nano_v1.benchmarks.ledger import LEDGER_DIR
+from tools import device_run
+import nb
+from benchmarks.gpu_suite import DEFAULT_TIME_BUDGET_S, MEASUREMENTS
+from tools.ledger import LEDGER_DIR
 from nano_v1.config import CacheConfig
 
 pytestmark = pytest.mark.ch00

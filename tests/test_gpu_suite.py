@@ -17,17 +17,13 @@ import time
 import pytest
 import torch
 
-from nano_v1.benchmarks import gpu_suite, ledger, spec_decode
-from nano_v1.benchmarks.gpu_suite import Measurement, register, run_measurement, run_suite
+from benchmarks import gpu_suite, spec_decode_verify
+from benchmarks.context import CONFIGS_DIR, SMOKE_NUM_GPU_BLOCKS, SuiteContext
+from benchmarks.gpu_suite import Measurement, register, run_measurement, run_suite
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost
 from nano_v1.benchmarks.throughput import MANAGER_STOP_TIMEOUT_S, dummy_hf_model, run_generate_batch
-from nano_v1.benchmarks.utils import (
-    CONFIGS_DIR,
-    SMOKE_NUM_GPU_BLOCKS,
-    BenchRequest,
-    SuiteContext,
-    write_tiny_qwen3,
-)
+from nano_v1.benchmarks.utils import BenchRequest, write_tiny_qwen3
+from tools import ledger
 from nano_v1.config import CompilationConfig
 
 pytestmark = pytest.mark.ch01
@@ -156,7 +152,7 @@ def test_engines_capture_graphs_for_exactly_the_step_sizes_they_time(tmp_path, m
 
     monkeypatch.setattr(SuiteContext, "llm", recording_llm)
     monkeypatch.setattr(gpu_suite, "time_decode_steps", recording(gpu_suite.time_decode_steps))
-    monkeypatch.setattr(spec_decode, "time_decode_steps", recording(spec_decode.time_decode_steps))
+    monkeypatch.setattr(spec_decode_verify, "time_decode_steps", recording(spec_decode_verify.time_decode_steps))
     ctx = SuiteContext(device=torch.device("cpu"), smoke=True, work_dir=tmp_path, num_prompts=1)
     for name in ("decode_latency", "spec_decode_verify_cost"):
         assert run_measurement(gpu_suite.MEASUREMENTS[name], ctx, cap_s=120)["status"] == "ok", name

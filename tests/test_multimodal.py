@@ -21,7 +21,7 @@ import torch
 from conftest import TINY_SHAPES
 
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks.multimodal import random_image, write_tiny_llava
+from benchmarks.multimodal import random_image, write_tiny_llava
 from nano_v1.engine import EngineCoreRequest
 
 pytestmark = pytest.mark.ch11
