@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import signal
 import sys
@@ -467,6 +468,10 @@ def run_suite(out_dir: str | Path, smoke: bool = False, only: list[str] | None =
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not smoke:
         raise ValueError("no CUDA device: the real sizes need a GPU. Run with --smoke for the CPU check.")
+    if device.type == "cpu":
+        # The Triton kernels run in Triton's interpreter on a CPU. Triton reads the variable when
+        # it is first imported (`device_info` imports it), so it is set before anything else runs.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     measurements = select(only)
     budget = time_budget_s or (SMOKE_TIME_BUDGET_S if smoke else DEFAULT_TIME_BUDGET_S)
     report: dict[str, Any] = {
