@@ -21,8 +21,8 @@ pytestmark = pytest.mark.ch00
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]-*.md"))
 
-# The package, and the checkout's top-level benchmarks/ and tools/ (not vLLM's own vllm/benchmarks/).
-CODE_REF_RE = re.compile(r"(?<![\w/])((?:nano_v1|benchmarks|tools)/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])")
+# The package, the checkout's top-level benchmarks/ and tools/, and notebooks/nb.py (not vLLM's own vllm/benchmarks/).
+CODE_REF_RE = re.compile(r"(?<![\w/])((?:nano_v1|benchmarks|tools|notebooks)/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])")
 CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
 IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|json))")
@@ -121,11 +121,11 @@ def test_code_references_resolve(chapter):
 
 
 def test_named_paths_exist(chapter):
-    """Every `nano_v1/...`, `benchmarks/...` and `tools/...` path in a code span (braces expanded) and every notebook named."""
+    """Every `nano_v1/...`, `benchmarks/...`, `tools/...` and `notebooks/...` path in a code span (braces expanded) and every notebook named."""
     text = chapter.read_text(encoding="utf-8")
     missing = []
     for span in CODE_SPAN_RE.findall(text):
-        if span.startswith(("nano_v1/", "benchmarks/", "tools/")):
+        if span.startswith(("nano_v1/", "benchmarks/", "tools/", "notebooks/")):
             for path in expand_braces(span.split("::")[0]):
                 if not (REPO_ROOT / path).exists():
                     missing.append(path)
