@@ -62,8 +62,9 @@ def test_no_module_in_the_wheel_reaches_outside_the_package(wheel):
 
 def test_every_module_imports_from_site_packages(wheel, tmp_path):
     # Unpacked as pip would install it, run from a directory that is not a checkout, with
-    # only site-packages on the path: every module imports, `nano-v1 bench` lists its
-    # benchmarks, the demo model is found, and the assignments say they need a checkout.
+    # only site-packages on the path: every module imports (or lacks only a third-party
+    # package this environment does not have: the GPU image has no fastapi), `nano-v1 bench`
+    # lists its benchmarks, the demo model is found, and the assignments say they need a checkout.
     site_packages = tmp_path / "site-packages"
     zipfile.ZipFile(wheel).extractall(site_packages)
     script = (
@@ -71,7 +72,11 @@ def test_every_module_imports_from_site_packages(wheel, tmp_path):
         "import nano_v1\n"
         f"assert nano_v1.__path__ == [{str(site_packages / 'nano_v1')!r}], nano_v1.__path__\n"
         "for module in pkgutil.walk_packages(nano_v1.__path__, 'nano_v1.'):\n"
-        "    importlib.import_module(module.name)\n"
+        "    try:\n"
+        "        importlib.import_module(module.name)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if e.name.split('.')[0] in {'nano_v1', 'benchmarks', 'tools', 'notebooks', 'nb', 'tests'}:\n"
+        "            raise\n"
         "from nano_v1.demo_model import DEMO_MODEL_PATH\n"
         "assert (DEMO_MODEL_PATH / 'model.safetensors').is_file()\n"
         "from nano_v1.entrypoints import cli\n"
