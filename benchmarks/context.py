@@ -3,10 +3,11 @@
 Mirrors no vLLM file: vLLM's benchmarks each build their own engine (chapter 00).
 Needs a source checkout (`pip install .` installs only nano_v1): imported from its root.
 
-Why it exists: the suite's measurements (and notebooks 05, 08, 10 and 12) build engines
-of real model shapes with dummy weights, on whatever device the run has, at smoke or full
-sizes, within a time cap; `SuiteContext` carries all of that. It sits outside the
-package with the suite: `nano-v1 bench` never builds one.
+Why it exists: the suite's measurements build engines of real model shapes with dummy
+weights, on whatever device the run has, at smoke or full sizes, within a time cap;
+`SuiteContext` carries all of that (notebook 10 makes one too, and most notebooks read
+the shipped shapes in `CONFIGS_DIR`). It sits outside the package with the suite:
+`nano-v1 bench` never builds one.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ from nano_v1.config import ModelConfig
 
 NAME = "gpu_suite"
 # The whole suite on an H200: every cap below adds up to this (the device script's part of
-# its 9 minutes, `benchmarks/device_run.py`).
+# its 9 minutes, `tools/device_run.py`).
 DEFAULT_TIME_BUDGET_S = 300.0
 SMOKE_TIME_BUDGET_S = 120.0
 # nano-vllm's benchmark, which the H200 goals are stated on: 256 requests, prompt and output
