@@ -31,7 +31,6 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import NEEDS_CHECKOUT
+from benchmarks.context import CONFIGS_DIR
 from nano_v1.attention.ops import reference
 from nano_v1.benchmarks.roofline import (
     DeviceCeilings,
@@ -50,7 +50,7 @@ from nano_v1.benchmarks.roofline import (
 from nano_v1.benchmarks.utils import write_json
 
 NAME = "attention_kernels"
-QWEN3_0_6B = Path(__file__).parent / "configs" / "qwen3-0.6b"
+QWEN3_0_6B = CONFIGS_DIR / "qwen3-0.6b"
 BLOCK_SIZE = 16
 
 
