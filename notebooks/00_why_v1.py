@@ -42,10 +42,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.context import CONFIGS_DIR
 from nano_v1 import SamplingParams
-from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost, measure_device_ceilings
-from nano_v1.benchmarks.utils import CONFIGS_DIR
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.core import EngineCore
 from nano_v1.engine.output_processor import OutputProcessor
@@ -317,7 +317,7 @@ plt.show()
 recorded = nb.recorded_gpu_results("decode_latency")
 if recorded is None:
     print(
-        "no recorded GPU run in figures/data/ yet (python -m nano_v1.benchmarks.gpu_suite on a GPU, then ledger add)"
+        "no recorded GPU run in figures/data/ yet (python -m benchmarks.gpu_suite on a GPU, then ledger add)"
     )
 else:
     gpu, gpu_label = recorded

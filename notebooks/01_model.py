@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.context import CONFIGS_DIR
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks.roofline import ModelShape, measure_device_ceilings, workload_cost
 from nano_v1.benchmarks.throughput import (
     CPU_HF_MAX_BATCH_TOKENS,
@@ -42,7 +43,7 @@ from nano_v1.benchmarks.throughput import (
     run_generate_batch,
     run_nano_v1,
 )
-from nano_v1.benchmarks.utils import CONFIGS_DIR, release_engines, sample_random_requests, write_tiny_qwen3
+from nano_v1.benchmarks.utils import release_engines, sample_random_requests, write_tiny_qwen3
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.arg_utils import EngineArgs
 

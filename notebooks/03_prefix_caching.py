@@ -33,8 +33,8 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks import notebook as nb
 from nano_v1.demo_model import DEMO_MODEL_PATH
 
 # Every engine's core in this process (vLLM's switch, read when an `LLM` is built): no

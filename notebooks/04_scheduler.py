@@ -32,8 +32,8 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
 from nano_v1 import SamplingParams
-from nano_v1.benchmarks import notebook as nb
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()

@@ -30,8 +30,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.utils import CONFIGS_DIR
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.context import CONFIGS_DIR
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.sample.sampler import SamplerOutput

@@ -31,7 +31,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from nano_v1.benchmarks import notebook as nb
 
 if not nb.ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined: before its import
@@ -39,10 +38,8 @@ if not nb.ON_GPU:
 # hands its worker a function through `collective_rpc`, which cannot cross to another process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from nano_v1 import LLM, SamplingParams
-from nano_v1.attention.ops import reference
-from nano_v1.attention.ops.triton_unified_attention import unified_attention as triton_unified_attention
-from nano_v1.benchmarks.attention_kernels import (
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.attention_kernels import (
     QWEN3_0_6B,
     Workload,
     gather_sdpa_attention,
@@ -51,9 +48,12 @@ from nano_v1.benchmarks.attention_kernels import (
     workload_bytes_and_flops,
     workloads,
 )
-from nano_v1.benchmarks.ledger import latest_gpu_results
+from nano_v1 import LLM, SamplingParams
+from nano_v1.attention.ops import reference
+from nano_v1.attention.ops.triton_unified_attention import unified_attention as triton_unified_attention
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, measure_device_ceilings
 from nano_v1.benchmarks.utils import write_tiny_qwen3
+from tools.ledger import latest_gpu_results
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
 nb.set_threads()
@@ -210,7 +210,7 @@ for row in cpu["rows"]:
 # ## The GPU numbers
 #
 # On a GPU the Triton kernel is timed against the baseline on an H200 by the GPU suite
-# (`python -m nano_v1.benchmarks.gpu_suite --only attention_kernels`, or the whole suite),
+# (`python -m benchmarks.gpu_suite --only attention_kernels`, or the whole suite),
 # whose results are committed under figures/data/.
 
 # %%

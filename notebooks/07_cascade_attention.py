@@ -42,9 +42,9 @@ import importlib.util
 import matplotlib.pyplot as plt
 import numpy as np
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks import cascade as bench
 from nano_v1.attention.backends.flash_attn import CPU_NUM_SMS, get_num_sms, use_cascade_attention
-from nano_v1.benchmarks import cascade as bench
-from nano_v1.benchmarks import notebook as nb
 from nano_v1.benchmarks.roofline import H200_DATASHEET, DeviceCeilings
 
 SMOKE = nb.SMOKE  # NANO_V1_SMOKE=1 shrinks every size (CI)
@@ -200,7 +200,7 @@ for r in measured["rows"]:
 recorded = nb.recorded_gpu_results("cascade_attention")
 if recorded is None:
     print("no recorded GPU run of cascade_attention in figures/data/ yet "
-          "(python -m nano_v1.benchmarks.gpu_suite --out OUT on a GPU, then ledger add)")
+          "(python -m benchmarks.gpu_suite --out OUT on a GPU, then ledger add)")
     gpu_rows, gpu_label = [], None
 else:
     gpu, gpu_label = recorded

@@ -30,11 +30,12 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.context import CONFIGS_DIR
+from benchmarks.cuda_graphs import CPU_MODES, measure_mode
 from nano_v1 import LLM
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.cuda_graphs import CPU_MODES, measure_mode
 from nano_v1.benchmarks.roofline import ModelShape
-from nano_v1.benchmarks.utils import CONFIGS_DIR, release_engines, write_tiny_qwen3
+from nano_v1.benchmarks.utils import release_engines, write_tiny_qwen3
 from nano_v1.compilation.counter import compilation_counter
 from nano_v1.config import CompilationConfig
 
@@ -245,7 +246,7 @@ recorded = nb.recorded_gpu_results("cuda_graphs")
 if recorded is None:
     print(
         "no recorded GPU run of cuda_graphs in figures/data/ yet "
-        "(python -m nano_v1.benchmarks.gpu_suite --only cuda_graphs on a GPU, then ledger add)"
+        "(python -m benchmarks.gpu_suite --only cuda_graphs on a GPU, then ledger add)"
     )
 else:
     gpu, gpu_label = recorded

@@ -32,7 +32,7 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 
-from nano_v1.benchmarks import notebook as nb
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
 from nano_v1.benchmarks import processes, serve
 from nano_v1.engine.arg_utils import EngineArgs
 

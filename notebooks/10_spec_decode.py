@@ -37,15 +37,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.context import SuiteContext
+from benchmarks.spec_decode_verify import expected_tokens_per_step, verify_cost_sweep
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.spec_decode import (
-    expected_tokens_per_step,
-    print_report,
-    run_cpu_sweep,
-    verify_cost_sweep,
-)
-from nano_v1.benchmarks.utils import SuiteContext, step_timing
+from nano_v1.benchmarks.spec_decode import print_report, run_cpu_sweep
+from nano_v1.benchmarks.utils import step_timing
 from nano_v1.metrics.reader import spec_decoding_stats_from_metrics
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import RejectionSampler
@@ -192,7 +189,7 @@ cpu_cost = verify_cost_sweep(
 )
 recorded = nb.recorded_gpu_results("spec_decode_verify_cost")
 if recorded is None:
-    print("No recorded GPU run of spec_decode_verify_cost yet: run `python -m nano_v1.benchmarks.gpu_suite` on a GPU.")
+    print("No recorded GPU run of spec_decode_verify_cost yet: run `python -m benchmarks.gpu_suite` on a GPU.")
 else:
     gpu_cost, gpu_label = recorded
     print(gpu_label)

@@ -35,9 +35,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-from nano_v1 import LLM
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.multimodal import (
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks.multimodal import (
     LLAVA_15_VISION_GRID,
     encoder_cache_sweep,
     image_prompt,
@@ -48,6 +47,7 @@ from nano_v1.benchmarks.multimodal import (
     weight_counts,
     write_tiny_llava,
 )
+from nano_v1 import LLM
 from nano_v1.benchmarks.utils import TINY_QWEN3_SHAPE
 from nano_v1.engine.arg_utils import EngineArgs
 

@@ -36,10 +36,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks import hybrid_kv as hk
+from benchmarks.context import CONFIGS_DIR
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks import hybrid_kv as hk
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.utils import CONFIGS_DIR
 from nano_v1.core.kv_cache_utils import get_kv_cache_configs, get_max_concurrency_for_kv_cache_config
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -62,7 +62,7 @@ print(f"{nb.device_label()}, torch threads {threads}")
 # ## The layers' specs
 #
 # Each model's modules are built on the meta device (no weights, no memory) from its
-# `config.json` (`nano_v1/benchmarks/configs/gemma-3-*`, the public shapes), and the
+# `config.json` (`benchmarks/configs/gemma-3-*`, the public shapes), and the
 # model runner names every attention layer's spec, exactly as at start-up
 # (`GPUModelRunner.get_kv_cache_spec`). `get_kv_cache_configs` then groups the layers.
 

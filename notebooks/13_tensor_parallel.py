@@ -32,8 +32,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks import tensor_parallel as tpb
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
+from benchmarks import tensor_parallel as tpb
 from nano_v1.benchmarks.roofline import H200_DATASHEET
 from nano_v1.benchmarks.utils import TINY_QWEN3_SHAPE
 

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import types
 from typing import TYPE_CHECKING
@@ -31,29 +30,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def _let_triton_36_interpret_with_numpy_24() -> None:
-    """Triton 3.6's interpreter (the GPU image's Triton) indexes with `int(tensor.handle.data)`, which
-    numpy >= 2.4 refuses for the 1-element arrays it holds scalars in ("only 0-dimensional
-    arrays can be converted to Python scalars"), so every kernel whose loop bound is a loaded
-    value fails in it. Later Triton squeezes the array first: do the same where it does not.
-    Only the interpreter is touched: compiled kernels (on a GPU) never take this path."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None or "int(self.handle.data))" not in inspect.getsource(patch_tensor):
-        return
-
-    def patch_lang_tensor(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-_let_triton_36_interpret_with_numpy_24()
 
 TINY_SHAPES = dict(
     vocab_size=512,

@@ -32,7 +32,6 @@ from assignment_mutants import MUTANTS
 
 from nano_v1.assignments import (
     ASSIGNMENT_FILE,
-    REPO_ROOT,
     Mutant,
     TaskRegionError,
     copy_repository,
@@ -48,6 +47,7 @@ from nano_v1.assignments.grading import format_table, marker_expression, score
 from nano_v1.assignments.pytest_plugin import failure_message
 
 pytestmark = pytest.mark.assignments
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TASKS = find_tasks()
 TASKS_BY_ID = {t.task_id: t for t in TASKS}

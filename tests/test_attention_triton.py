@@ -359,7 +359,7 @@ def test_merge_attn_states_on_cuda_matches_reference():
 # ------------------------------------------------------------------------ the kernel benchmark
 def test_benchmark_baseline_matches_float64():
     """gather_sdpa_attention, the benchmark's baseline, is a correct implementation too."""
-    from nano_v1.benchmarks.attention_kernels import gather_sdpa_attention
+    from benchmarks.attention_kernels import gather_sdpa_attention
 
     rng = np.random.default_rng(5)
     batch = make_paged_batch(rng, *random_batch(rng, 5), NUM_KV_HEADS, 2, 64, BLOCK_SIZE)
@@ -375,7 +375,7 @@ def test_benchmark_baseline_matches_float64():
 
 
 def test_benchmark_runs_on_cpu_and_counts_bytes():
-    from nano_v1.benchmarks.attention_kernels import run_attention_kernels
+    from benchmarks.attention_kernels import run_attention_kernels
     from nano_v1.benchmarks.roofline import DeviceCeilings
 
     ceilings = DeviceCeilings("test", memory_bandwidth=1e10, matmul_flops=1e11, dtype="float32")

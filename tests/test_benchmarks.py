@@ -113,13 +113,18 @@ def test_throughput_benchmark_rejects_requests_longer_than_the_context(tiny_qwen
 @pytest.mark.ch00
 def test_no_benchmark_module_writes_the_environment_at_import():
     # In a fresh interpreter with neither variable set (this process has them from conftest):
-    # importing every benchmark module must leave os.environ exactly as it was.
-    modules = sorted(p.stem for p in Path(benchmarks.__file__).parent.glob("*.py") if p.stem != "__init__")
+    # importing every benchmark module, the package's and the checkout's benchmarks/, must leave
+    # os.environ exactly as it was.
+    modules = sorted(
+        f"{package}.{p.stem}" for package, folder in (("nano_v1.benchmarks", Path(benchmarks.__file__).parent),
+                                                     ("benchmarks", REPO_ROOT / "benchmarks"))
+        for p in folder.glob("*.py") if p.stem != "__init__"
+    )
     script = (
         "import importlib, os\n"
         "before = dict(os.environ)\n"
         f"for name in {modules!r}:\n"
-        "    importlib.import_module('nano_v1.benchmarks.' + name)\n"
+        "    importlib.import_module(name)\n"
         "changed = {k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)}\n"
         "assert not changed, f'importing the benchmarks changed {sorted(changed)}'\n"
     )

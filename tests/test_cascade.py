@@ -501,7 +501,7 @@ def test_disable_cascade_attn_never_cascades(tiny_qwen3, monkeypatch):
 
 # ---------------------------------------------------------------- the bytes-read model
 def test_bytes_model():
-    from nano_v1.benchmarks.cascade import QWEN3_0_6B_ATTENTION, attention_traffic, kv_tokens_read
+    from benchmarks.cascade import QWEN3_0_6B_ATTENTION, attention_traffic, kv_tokens_read
 
     # The seed example: a 10,000-token system prompt and 10 chats of 100 tokens.
     assert kv_tokens_read(10_000, 10, 100, cascade=False) == (10_000 + 100) * 10

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.ch00
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]-*.md"))
 
-CODE_REF_RE = re.compile(r"(nano_v1/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])")
+# The package, the checkout's top-level benchmarks/ and tools/, and notebooks/nb.py (not vLLM's own vllm/benchmarks/).
+CODE_REF_RE = re.compile(r"(?<![\w/])((?:nano_v1|benchmarks|tools|notebooks)/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])")
 CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
 IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|json))")
@@ -120,11 +121,11 @@ def test_code_references_resolve(chapter):
 
 
 def test_named_paths_exist(chapter):
-    """Every `nano_v1/...` path in a code span (braces expanded) and every notebook named."""
+    """Every `nano_v1/...`, `benchmarks/...`, `tools/...` and `notebooks/...` path in a code span (braces expanded) and every notebook named."""
     text = chapter.read_text(encoding="utf-8")
     missing = []
     for span in CODE_SPAN_RE.findall(text):
-        if span.startswith("nano_v1/"):
+        if span.startswith(("nano_v1/", "benchmarks/", "tools/", "notebooks/")):
             for path in expand_braces(span.split("::")[0]):
                 if not (REPO_ROOT / path).exists():
                     missing.append(path)
@@ -173,7 +174,7 @@ def test_no_reader_facing_file_cites_the_developers_notes():
     notes (goals, map, style guide): they must state numbers and names themselves."""
     internal = re.compile(r"GOALS\.md|STYLE\.md|MAP\.md|\.\./shared")
     files = [REPO_ROOT / "README.md", *CHAPTERS]
-    for folder, pattern in (("nano_v1", "*.py"), ("notebooks", "*.py")):
+    for folder, pattern in (("nano_v1", "*.py"), ("benchmarks", "*.py"), ("tools", "*.py"), ("notebooks", "*.py")):
         files += sorted((REPO_ROOT / folder).rglob(pattern))
     cited = [
         f"{path.relative_to(REPO_ROOT)}:{n}"

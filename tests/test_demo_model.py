@@ -16,7 +16,7 @@ import torch
 
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.demo_model.corpus import corpus_files, read_sources, split_files
-from nano_v1.demo_model.train import encode_documents, main, parse_args
+from tools.train_demo_model import encode_documents, main, parse_args
 
 pytestmark = pytest.mark.demo_model
 

@@ -15,11 +15,11 @@ import tarfile
 
 import pytest
 
-from nano_v1.benchmarks import device_run
-from nano_v1.benchmarks import notebook as nb
-from nano_v1.benchmarks.gpu_suite import DEFAULT_TIME_BUDGET_S, MEASUREMENTS
-from nano_v1.benchmarks.ledger import LEDGER_DIR
+from benchmarks.gpu_suite import DEFAULT_TIME_BUDGET_S, MEASUREMENTS
 from nano_v1.config import CacheConfig
+from notebooks import nb
+from tools import device_run
+from tools.ledger import LEDGER_DIR
 
 pytestmark = pytest.mark.ch00
 

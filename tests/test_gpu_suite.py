@@ -11,26 +11,27 @@ it would be decided on CUDA.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from nano_v1.benchmarks import gpu_suite, ledger, spec_decode
-from nano_v1.benchmarks.gpu_suite import Measurement, register, run_measurement, run_suite
+from benchmarks import gpu_suite, spec_decode_verify
+from benchmarks.context import CONFIGS_DIR, SMOKE_NUM_GPU_BLOCKS, SuiteContext
+from benchmarks.gpu_suite import Measurement, register, run_measurement, run_suite
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost
 from nano_v1.benchmarks.throughput import MANAGER_STOP_TIMEOUT_S, dummy_hf_model, run_generate_batch
-from nano_v1.benchmarks.utils import (
-    CONFIGS_DIR,
-    SMOKE_NUM_GPU_BLOCKS,
-    BenchRequest,
-    SuiteContext,
-    write_tiny_qwen3,
-)
+from nano_v1.benchmarks.utils import BenchRequest, write_tiny_qwen3
 from nano_v1.config import CompilationConfig
+from tools import ledger
 
 pytestmark = pytest.mark.ch01
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,22 @@ def test_the_smoke_report_goes_into_the_ledger(smoke_report, tmp_path):
     latest = ledger.latest_gpu_results("gpu_suite", tmp_path)
     assert latest["measurements"] == report["measurements"] and latest["ledger_file"] == target.name
 
+
+
+@pytest.mark.slow
+def test_the_triton_kernels_run_in_a_plain_smoke_run(tmp_path):
+    # As the device script and CI run it: a plain command from the checkout's root, no pytest
+    # conftest before it, TRITON_INTERPRET not set (the suite sets it before Triton's import,
+    # and nano_v1.triton_utils repairs the interpreter the installed Triton has).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "benchmarks.gpu_suite", "--smoke", "--only", "attention_kernels",
+               "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "gpu_suite.json").read_text())["measurements"]["attention_kernels"]
+    assert record["status"] == "ok", record.get("traceback") or record.get("error")
+    assert record["result"]["rows"], record["result"]
 
 def test_decode_sweep_times_pure_decode_steps_after_a_multi_step_prefill(tmp_path):
     # A step budget of 8 tokens spreads each batch's prefill over several steps, during which
@@ -156,7 +173,7 @@ def test_engines_capture_graphs_for_exactly_the_step_sizes_they_time(tmp_path, m
 
     monkeypatch.setattr(SuiteContext, "llm", recording_llm)
     monkeypatch.setattr(gpu_suite, "time_decode_steps", recording(gpu_suite.time_decode_steps))
-    monkeypatch.setattr(spec_decode, "time_decode_steps", recording(spec_decode.time_decode_steps))
+    monkeypatch.setattr(spec_decode_verify, "time_decode_steps", recording(spec_decode_verify.time_decode_steps))
     ctx = SuiteContext(device=torch.device("cpu"), smoke=True, work_dir=tmp_path, num_prompts=1)
     for name in ("decode_latency", "spec_decode_verify_cost"):
         assert run_measurement(gpu_suite.MEASUREMENTS[name], ctx, cap_s=120)["status"] == "ok", name

@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import TINY_SHAPES
 
+from benchmarks.multimodal import random_image, write_tiny_llava
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks.multimodal import random_image, write_tiny_llava
 from nano_v1.engine import EngineCoreRequest
 
 pytestmark = pytest.mark.ch11

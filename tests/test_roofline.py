@@ -46,7 +46,7 @@ def tiny_engine_config(request, tmp_path_factory):
 
 
 def test_shipped_configs_have_the_published_shapes():
-    from nano_v1.benchmarks.utils import CONFIGS_DIR
+    from benchmarks.context import CONFIGS_DIR
 
     assert ModelShape.from_pretrained(CONFIGS_DIR / "qwen3-0.6b") == QWEN3_0_6B
     shape_4b = ModelShape.from_pretrained(CONFIGS_DIR / "qwen3-4b")

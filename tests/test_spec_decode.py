@@ -21,13 +21,9 @@ from hypothesis import strategies as st
 from test_llm import hf_greedy
 from test_scheduler import make_requests, reference_output, run_workload
 
+from benchmarks.context import SuiteContext
+from benchmarks.spec_decode_verify import break_even_acceptance_rate, expected_tokens_per_step, verify_cost_sweep
 from nano_v1 import LLM, SamplingParams
-from nano_v1.benchmarks.gpu_suite import SuiteContext
-from nano_v1.benchmarks.spec_decode import (
-    break_even_acceptance_rate,
-    expected_tokens_per_step,
-    verify_cost_sweep,
-)
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.entrypoints import cli
 from nano_v1.metrics.reader import Counter, spec_decoding_stats_from_metrics

@@ -59,6 +59,8 @@ def variants(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     # Compiled, not interpreted: the interpreter's kernels are not what Triton compiles.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The checkout's root on the path, for the shapes in benchmarks/ (outside the package).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tests" / "triton_aot.py"), str(out)],
         env=env,

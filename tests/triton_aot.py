@@ -37,10 +37,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.cascade import AttentionShape, shared_prefix_metadata
+from benchmarks.context import CONFIGS_DIR
 from nano_v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder
-from nano_v1.benchmarks.cascade import AttentionShape, shared_prefix_metadata
 from nano_v1.benchmarks.roofline import ModelShape
-from nano_v1.benchmarks.utils import CONFIGS_DIR, TINY_QWEN3_SHAPE
+from nano_v1.benchmarks.utils import TINY_QWEN3_SHAPE
 from nano_v1.demo_model import DEMO_MODEL_PATH
 
 HOPPER = GPUTarget("cuda", 90, 32)

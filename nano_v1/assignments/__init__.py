@@ -29,16 +29,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-# The repository around the nano_v1 package this module was imported from. Only a source
-# checkout has one: installed from a wheel, this is site-packages (`check_source_checkout`).
-REPO_ROOT = Path(__file__).resolve().parents[2]
+import nano_v1
 
 _BEGIN_RE = re.compile(r"(?P<indent>[ \t]*)# BEGIN TASK (?P<task_id>ch\d\d_t\d+): (?P<hint>\S.*?)\s*")
 _END_RE = re.compile(r"(?P<indent>[ \t]*)# END TASK\s*")
 
-# What a student copy contains: the package, its tests and the course text. Not .git,
-# virtual environments or build output.
-COPIED_PATHS = ("nano_v1", "tests", "chapters", "notebooks", "figures", "pyproject.toml", "README.md")
+# What a student copy contains: the package, its tests, what they import beside it (benchmarks/,
+# tools/) and the course text. Not .git, virtual environments or build output.
+COPIED_PATHS = (
+    "nano_v1", "tests", "benchmarks", "tools", "chapters", "notebooks", "figures", "pyproject.toml", "README.md"
+)
 _IGNORED = shutil.ignore_patterns(
     "__pycache__", "*.pyc", ".pytest_cache", ".hypothesis", "*.egg-info", ".ipynb_checkpoints"
 )
@@ -136,8 +136,25 @@ def check_source_checkout(root: Path) -> None:
         )
 
 
-def find_tasks(root: Path = REPO_ROOT) -> list[Task]:
-    """Every task region under root/nano_v1, sorted by task id; task ids must be unique."""
+def source_checkout() -> Path:
+    """The source checkout of the imported nano_v1: the directory that holds the package, checked to be one.
+
+    Assignments copy the repository's tests and run them, so they work in a clone only
+    (installed with `pip install -e .` or put on the path). Installed from a wheel, the
+    directory that holds the package is site-packages, and this raises ValueError saying so.
+    """
+    (package_dir,) = nano_v1.__path__
+    root = Path(package_dir).resolve().parent
+    check_source_checkout(root)
+    return root
+
+
+def find_tasks(root: Path | None = None) -> list[Task]:
+    """Every task region under root/nano_v1, sorted by task id; task ids must be unique.
+
+    `root` defaults to `source_checkout()`.
+    """
+    root = source_checkout() if root is None else root
     tasks: dict[str, Task] = {}
     package_dir = root / "nano_v1"
     for source in sorted(package_dir.rglob("*.py")):
@@ -227,12 +244,14 @@ def copy_repository(root: Path, out: Path) -> None:
     _make_pytest_import_the_copy(out / "pyproject.toml")
 
 
-def make_student_copy(selectors: list[str], out: Path, root: Path = REPO_ROOT) -> list[Task]:
+def make_student_copy(selectors: list[str], out: Path, root: Path | None = None) -> list[Task]:
     """Copy the repository at `root` to `out` with the selected tasks stubbed; return them.
+
+    `root` defaults to `source_checkout()`.
 
     `out` must not exist yet (or be an empty directory) and must lie outside `root`.
     """
-    root, out = root.resolve(), out.resolve()
+    root, out = (source_checkout() if root is None else root).resolve(), out.resolve()
     tasks = select_tasks(find_tasks(root), selectors)
     if not tasks:
         raise ValueError("choose at least one chapter or task")

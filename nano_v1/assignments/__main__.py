@@ -24,12 +24,11 @@ from pathlib import Path
 
 from nano_v1.assignments import (
     ASSIGNMENT_FILE,
-    REPO_ROOT,
     TaskRegionError,
-    check_source_checkout,
     find_tasks,
     make_student_copy,
     select_tasks,
+    source_checkout,
 )
 from nano_v1.assignments.grading import format_table, run_pytest, score, to_json
 
@@ -55,37 +54,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        check_source_checkout(REPO_ROOT)
-        tasks = find_tasks(REPO_ROOT)
+        root = source_checkout()
+        tasks = find_tasks(root)
         if args.command == "list":
             width = max((len(f"{t.path}:{t.begin_line}") for t in tasks), default=0)
             for task in tasks:
                 print(f"{task.task_id:9} {f'{task.path}:{task.begin_line}':{width}}  {task.hint}")
             return 0
         if args.command == "make":
-            chosen = make_student_copy(args.selectors, args.out)
+            chosen = make_student_copy(args.selectors, args.out, root)
             print(
                 f"wrote {args.out} with {len(chosen)} task(s) to do: {', '.join(t.task_id for t in chosen)}"
             )
             print(f"grade it with: cd {args.out} && python -m nano_v1.assignments grade")
             return 0
-        return _grade(tasks, args.selectors, args.json, pytest_args)
+        return _grade(root, tasks, args.selectors, args.json, pytest_args)
     except (TaskRegionError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
 
-def _grade(tasks, selectors: list[str], json_path: Path | None, pytest_args: list[str]) -> int:
-    if Path.cwd().resolve() != REPO_ROOT:
+def _grade(root: Path, tasks, selectors: list[str], json_path: Path | None, pytest_args: list[str]) -> int:
+    if Path.cwd().resolve() != root:
         raise ValueError(
-            f"nano_v1 was imported from {REPO_ROOT}, but the current directory is {Path.cwd()}; "
+            f"nano_v1 was imported from {root}, but the current directory is {Path.cwd()}; "
             "run grade from the root of the copy you want graded"
         )
-    assignment = REPO_ROOT / ASSIGNMENT_FILE
+    assignment = root / ASSIGNMENT_FILE
     if not selectors and assignment.exists():
         selectors = json.loads(assignment.read_text())["tasks"]
     chosen = select_tasks(tasks, selectors) if selectors else tasks
-    report = run_pytest(REPO_ROOT, chosen, pytest_args)
+    report = run_pytest(root, chosen, pytest_args)
     task_scores, others = score(chosen, report)
     print()
     print(format_table(task_scores, others))

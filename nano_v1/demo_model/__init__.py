@@ -4,7 +4,8 @@ No vLLM counterpart (vLLM downloads checkpoints from the Hub); the default model
 
 Why it exists: `LLM()`, `nano-v1 generate` and `nano-v1 serve` should work offline out of
 the box. The checkpoint directory is a standard Hugging Face one (config.json,
-model.safetensors, tokenizer.json), rebuilt by `python -m nano_v1.demo_model.train`.
+model.safetensors, tokenizer.json), rebuilt from a source checkout by
+`python -m tools.train_demo_model` (run from its root).
 """
 
 from pathlib import Path

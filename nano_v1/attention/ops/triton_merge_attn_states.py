@@ -14,8 +14,8 @@ empty parts give 0, not NaN.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from nano_v1.triton_utils import tl, triton
 
 
 @triton.jit

@@ -13,8 +13,8 @@ graph needs.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from nano_v1.triton_utils import tl, triton
 
 
 @triton.jit

@@ -26,8 +26,8 @@ blocks may already belong to another request.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from nano_v1.triton_utils import tl, triton
 
 
 @triton.jit

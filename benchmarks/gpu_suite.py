@@ -2,13 +2,15 @@
 
 Mirrors the role of vllm/benchmarks/ (latency, throughput) for a device we hold for
 minutes, not days (chapter 00).
+Needs a source checkout (`pip install .` installs only nano_v1): run from its root,
+`python -m benchmarks.gpu_suite`.
 
 Why it exists: a GPU is lent to this project rarely and briefly (15 minutes, start-up
 included), so everything we want to know from it must already be written, tested on a
 CPU, and run in one command that cannot stall:
 
-    python -m nano_v1.benchmarks.gpu_suite --out OUT            # on a CUDA machine, 5 minutes
-    python -m nano_v1.benchmarks.gpu_suite --out OUT --smoke    # anywhere: tiny sizes, about 30 s
+    python -m benchmarks.gpu_suite --out OUT            # on a CUDA machine, 5 minutes
+    python -m benchmarks.gpu_suite --out OUT --smoke    # anywhere: tiny sizes, about 30 s
 
 It writes OUT/gpu_suite.json (rewritten after every measurement, so a run cut short still
 leaves its results) and OUT/gpu_suite.log. Measurements are a registry: a function
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import signal
 import sys
@@ -48,26 +51,20 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from nano_v1.benchmarks.attention_kernels import run_attention_kernels
-from nano_v1.benchmarks.cascade import run_grid
-from nano_v1.benchmarks.cuda_graphs import measure_cuda_graphs
+from benchmarks import NEEDS_CHECKOUT
+from benchmarks.attention_kernels import run_attention_kernels
+from benchmarks.cascade import run_grid
+from benchmarks.context import SuiteContext, max_warm_up_steps, time_decode_steps
+from benchmarks.cuda_graphs import measure_cuda_graphs
+from benchmarks.spec_decode_verify import verify_cost_sweep
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost, step_cost, workload_cost
-from nano_v1.benchmarks.spec_decode import verify_cost_sweep
 from nano_v1.benchmarks.throughput import dummy_hf_model, run_generate_batch, time_llm_generate
-from nano_v1.benchmarks.utils import (
-    BenchRequest,
-    SuiteContext,
-    max_warm_up_steps,
-    release_engines,
-    sample_random_requests,
-    time_decode_steps,
-    write_json,
-)
+from nano_v1.benchmarks.utils import BenchRequest, release_engines, sample_random_requests, write_json
 from nano_v1.config import ModelConfig
 
 NAME = "gpu_suite"
 # The whole suite on an H200: every cap below adds up to this (the device script's part of
-# its 9 minutes, `benchmarks/device_run.py`).
+# its 9 minutes, `tools/device_run.py`).
 DEFAULT_TIME_BUDGET_S = 300.0
 SMOKE_TIME_BUDGET_S = 120.0
 # nano-vllm's benchmark, which the H200 goals are stated on: 256 requests, prompt and output
@@ -471,6 +468,10 @@ def run_suite(out_dir: str | Path, smoke: bool = False, only: list[str] | None =
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not smoke:
         raise ValueError("no CUDA device: the real sizes need a GPU. Run with --smoke for the CPU check.")
+    if device.type == "cpu":
+        # The Triton kernels run in Triton's interpreter on a CPU. Triton reads the variable when
+        # it is first imported (`device_info` imports it), so it is set before anything else runs.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     measurements = select(only)
     budget = time_budget_s or (SMOKE_TIME_BUDGET_S if smoke else DEFAULT_TIME_BUDGET_S)
     report: dict[str, Any] = {
@@ -518,8 +519,8 @@ def _run_all(measurements: list[Measurement], ctx: SuiteContext, budget: float, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nano_v1.benchmarks.gpu_suite",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite",
+                                     description=__doc__.splitlines()[0], epilog=NEEDS_CHECKOUT)
     parser.add_argument("--out", help="directory for gpu_suite.json and gpu_suite.log (required unless --list)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs anywhere in under a minute")
     parser.add_argument("--only", nargs="+", metavar="NAME", default=None,

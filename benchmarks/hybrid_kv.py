@@ -2,6 +2,7 @@
 
 Mirrors no vLLM file: the arithmetic behind vllm/v1/core/kv_cache_utils.py's "GPU KV cache
 size" and "Maximum concurrency" log lines, and a scheduler-only measurement of both.
+Needs a source checkout (`pip install .` installs only nano_v1): imported from its root.
 
 Why it exists: a sliding-window layer needs only its window's blocks, so how much memory
 the hybrid allocator gives back depends on the layer pattern, the window, the context

@@ -1,14 +1,16 @@
 """Train the bundled demo model: a byte-level BPE tokenizer and a small Qwen3 on the stdlib.
 
 No vLLM counterpart (vLLM is inference-only); produces the checkpoint chapter 01 serves.
+Needs a source checkout (`pip install .` installs only nano_v1): run from its root,
+`python -m tools.train_demo_model`.
 
 Why it exists: an inference engine needs a model to run, and a reader should be able to see
 exactly where that model came from. This script rebuilds it from nothing but the local Python
 installation, on one CPU thread. The shipped run (1,000 steps) took 66 minutes on a 2-core
 machine busy with other jobs (at nice 10); an idle core needs about half that.
 
-    python -m nano_v1.demo_model.train --out /tmp/demo        # the shipped checkpoint
-    python -m nano_v1.demo_model.train --out /tmp/tiny --smoke  # seconds, for tests
+    python -m tools.train_demo_model --out /tmp/demo        # the shipped checkpoint
+    python -m tools.train_demo_model --out /tmp/tiny --smoke  # seconds, for tests
 
 Training uses transformers' own `Qwen3ForCausalLM` (nano_v1's engine has no backward pass);
 the output is a standard Hugging Face directory that both transformers and nano_v1 load.
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import NEEDS_CHECKOUT
 from nano_v1.demo_model.corpus import corpus_files, read_sources, split_files, unigram_cross_entropy
 
 EOS_TOKEN = "<|endoftext|>"
@@ -265,7 +268,8 @@ def smoke_args(out: str) -> TrainArgs:
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
     """Command-line flags on top of the demo (or, with --smoke, the smoke) defaults."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.train_demo_model", description=__doc__.splitlines()[0],
+                                     epilog=NEEDS_CHECKOUT)
     demo = TrainArgs(out="")
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--smoke", action="store_true", help=smoke_args.__doc__)

@@ -2,17 +2,19 @@
 
 Mirrors no vLLM file: vLLM's CI has GPUs; this project borrows one for 15 minutes now and
 then (chapter 00).
+Needs a source checkout (`pip install .` installs only nano_v1): run from its root,
+`python -m tools.device_run`.
 
 Why it exists: a lent H200 runs one command of at most 10 minutes and returns at most 8
 files, and a start costs minutes of the session. So everything a GPU session should do
 is one prepared command, run with `timeout_s` 560:
 
-    python -m nano_v1.benchmarks.device_run --out $OUT
+    python -m tools.device_run --out $OUT
 
 Parts, in order, each a child process killed at its cap (so none can stall the rest),
 each given at most what is left of the 9-minute budget (`PARTS`):
   - environment: Python, torch, Triton, transformers and numpy versions, `nvidia-smi`;
-  - gpu_suite: `python -m nano_v1.benchmarks.gpu_suite` (its own 300 s budget);
+  - gpu_suite: `python -m benchmarks.gpu_suite` (its own 300 s budget);
   - pytest_gpu: `pytest -m gpu` (the compiled kernels, real CUDA graphs, the suite's smoke
     sizes on CUDA);
   - notebooks: each notebook's GPU branch as a plain script, at smoke sizes (the full
@@ -45,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from nano_v1.benchmarks.gpu_suite import DEFAULT_TIME_BUDGET_S
+from benchmarks import NEEDS_CHECKOUT
+from benchmarks.gpu_suite import DEFAULT_TIME_BUDGET_S
 
 NAME = "device_run"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]  # tools/ sits in the checkout's root
 # The whole run: 9 minutes, inside the 10 a command may take, with time to bundle and return.
 TIME_BUDGET_S = 540.0
 VERSIONS = ("torch", "triton", "transformers", "numpy")
@@ -90,7 +93,7 @@ def parts(
 ) -> list[Part]:
     """The child processes of a run, in order. `work` is the scratch directory the bundle is made of."""
     python = sys.executable
-    suite = [python, "-m", "nano_v1.benchmarks.gpu_suite", "--out", str(work / "gpu_suite")]
+    suite = [python, "-m", "benchmarks.gpu_suite", "--out", str(work / "gpu_suite")]
     suite += (["--smoke"] if smoke else []) + (["--only", *measurements] if measurements else [])
     steps = [Part("gpu_suite", suite, DEFAULT_TIME_BUDGET_S + 20)]
     steps.append(
@@ -268,7 +271,7 @@ class _Tee:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m nano_v1.benchmarks.device_run", description=__doc__.splitlines()[0]
+        prog="python -m tools.device_run", description=__doc__.splitlines()[0], epilog=NEEDS_CHECKOUT
     )
     parser.add_argument(
         "--out", required=True, help="where the files to bring back go (the device tool's $OUT)"

@@ -2,6 +2,8 @@
 
 Mirrors no single vLLM file: the benchmark behind vllm/v1/attention/backends/flash_attn.py's
 `use_cascade_attention` (chapter 07).
+Needs a source checkout (`pip install .` installs only nano_v1): run from its root,
+`python -m benchmarks.cascade`.
 
 Why it exists: cascade attention is worth its extra launches only when the traffic it saves
 is large. Decoding with a shared prefix of P tokens, batch B and suffixes of S tokens, plain
@@ -11,8 +13,8 @@ kernel is from being compute bound (`AttentionTraffic.time`). With grouped KV he
 kernel already does `group` query heads' work per KV byte, so it is `group` times nearer to
 that second bound than multi-head attention: less is left to win.
 
-    python -m nano_v1.benchmarks.cascade --out cascade.json          # GPU grid (Triton), ~1 min
-    python -m nano_v1.benchmarks.cascade --out cascade.json --smoke  # anywhere, seconds
+    python -m benchmarks.cascade --out cascade.json          # GPU grid (Triton), ~1 min
+    python -m benchmarks.cascade --out cascade.json --smoke  # anywhere, seconds
 
 The GPU grid runs in the one-shot suite as `cascade_attention` (`benchmarks/gpu_suite.py`).
 """
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import NEEDS_CHECKOUT
 from nano_v1.attention.backends.flash_attn import get_num_sms, use_cascade_attention
 from nano_v1.attention.backends.utils import CommonAttentionMetadata
 from nano_v1.attention.selector import get_attn_backend
@@ -386,7 +389,7 @@ def summarize(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
-        prog="python -m nano_v1.benchmarks.cascade", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.cascade", description=__doc__.splitlines()[0], epilog=NEEDS_CHECKOUT
     )
     parser.add_argument("--out", required=True, help="write the results (JSON) here")
     parser.add_argument("--smoke", action="store_true", help="one tiny grid point, runs anywhere in seconds")

@@ -1,6 +1,7 @@
 """What every notebook shares: sizes, the device, engine cores, where figures go, recorded GPU results.
 
-Mirrors no vLLM file (vLLM has no notebooks); used by notebooks/00-05 (chapter 00).
+Mirrors no vLLM file (vLLM has no notebooks); used by every notebook (chapter 00). It lives
+beside them, outside the package, because it needs the source checkout (figures/, benchmarks/, tools/).
 
 Why it exists: each notebook runs in three settings, and all of them must leave a record
 that says where its numbers came from:
@@ -15,7 +16,7 @@ that says where its numbers came from:
 device script collects them there). On a GPU several engines alive at once each ask for
 a share of its memory (`gpu_memory_share`), as one engine would take 90% of it.
 A measurement that needs a GPU falls back, on a CPU, to the latest recorded GPU run in
-figures/data/ (`nano_v1/benchmarks/ledger.py`), labelled with its device and date.
+figures/data/ (`tools/ledger.py`), labelled with its device and date.
 Notebooks that read the scheduler build their own engine core (`engine_core`): `LLM`
 hides it, by default in another process (chapter 09).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +33,15 @@ from typing import Any
 
 import torch
 
-from nano_v1.benchmarks.ledger import LEDGER_DIR, latest_gpu_results
-from nano_v1.benchmarks.utils import CONFIGS_DIR, environment, write_json, write_tiny_qwen3
+# The checkout's root, where `benchmarks/` and `tools/` are (neither is installed with the package):
+# Jupyter runs a notebook in notebooks/, a plain `python notebooks/NN_x.py` puts notebooks/ on the path.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.context import CONFIGS_DIR  # noqa: E402 (after the path above)
+from tools.ledger import LEDGER_DIR, latest_gpu_results  # noqa: E402
+from nano_v1.benchmarks.utils import environment, write_json, write_tiny_qwen3
 from nano_v1.config import CacheConfig
 from nano_v1.engine import EngineCoreRequest
 from nano_v1.engine.arg_utils import EngineArgs

@@ -1,13 +1,15 @@
 """The results ledger: GPU results committed under figures/data/, named by benchmark, date and device.
 
 Mirrors no vLLM file (vLLM publishes its numbers on a dashboard); chapter 00.
+Needs a source checkout (`pip install .` installs only nano_v1): run from its root,
+`python -m tools.ledger`.
 
 Why it exists: GPU time is rare here (a few minutes, now and then), so every GPU run is
 kept as a file in the repository, `figures/data/<name>-YYYY-MM-DD-<device-slug>.json`
 (e.g. `gpu_suite-2025-11-30-nvidia-h200.json`), and notebooks plot the latest one beside
 the CPU measurements they make themselves, labelled with its device and date.
 
-    python -m nano_v1.benchmarks.ledger add OUT/gpu_suite.json   # copy a run into the ledger
+    python -m tools.ledger add OUT/gpu_suite.json   # copy a run into the ledger
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-# figures/data/ of the source checkout this package lives in.
-LEDGER_DIR = Path(__file__).resolve().parents[2] / "figures" / "data"
+from benchmarks import NEEDS_CHECKOUT
+
+# figures/data/ of the source checkout whose tools/ this is.
+LEDGER_DIR = Path(__file__).resolve().parents[1] / "figures" / "data"
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
@@ -73,7 +77,8 @@ def add_to_ledger(report_path: str | Path, data_dir: str | Path | None = None) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nano_v1.benchmarks.ledger", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.ledger", description=__doc__.splitlines()[0],
+                                     epilog=NEEDS_CHECKOUT)
     sub = parser.add_subparsers(dest="command", required=True)
     add = sub.add_parser("add", help="copy a results JSON into figures/data/ under its ledger name")
     add.add_argument("report", help="e.g. OUT/gpu_suite.json")

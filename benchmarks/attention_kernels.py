@@ -2,6 +2,8 @@
 
 Mirrors no vLLM module: vLLM's kernel benchmarks are scripts in its repository's
 benchmarks/kernels/ (chapter 06).
+Needs a source checkout (`pip install .` installs only nano_v1): run from its root,
+`python -m benchmarks.attention_kernels`.
 
 Why it exists: a paged kernel must earn its complexity. The obvious PyTorch way to attend
 over a paged cache is to gather every request's pages into one padded, contiguous K/V
@@ -11,8 +13,8 @@ runs the same batch, and its time is set against the least the batch must cost: 
 of every context read once plus q and out (bytes, over the measured copy bandwidth) or the
 attention FLOPs (over the measured matmul rate), whichever is larger.
 
-    python -m nano_v1.benchmarks.attention_kernels --out OUT.json           # CUDA: Qwen3-0.6B attention
-    python -m nano_v1.benchmarks.attention_kernels --out OUT.json --smoke   # anywhere, tiny
+    python -m benchmarks.attention_kernels --out OUT.json           # CUDA: Qwen3-0.6B attention
+    python -m benchmarks.attention_kernels --out OUT.json --smoke   # anywhere, tiny
 
 Implementations (all with `unified_attention`'s signature):
   - `triton`: `nano_v1/attention/ops/triton_unified_attention.py` (on a CPU only in
@@ -29,13 +31,14 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks import NEEDS_CHECKOUT
+from benchmarks.context import CONFIGS_DIR
 from nano_v1.attention.ops import reference
 from nano_v1.benchmarks.roofline import (
     DeviceCeilings,
@@ -47,7 +50,7 @@ from nano_v1.benchmarks.roofline import (
 from nano_v1.benchmarks.utils import write_json
 
 NAME = "attention_kernels"
-QWEN3_0_6B = Path(__file__).parent / "configs" / "qwen3-0.6b"
+QWEN3_0_6B = CONFIGS_DIR / "qwen3-0.6b"
 BLOCK_SIZE = 16
 
 
@@ -258,8 +261,8 @@ def run_attention_kernels(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m nano_v1.benchmarks.attention_kernels",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention_kernels",
+                                     description=__doc__.splitlines()[0], epilog=NEEDS_CHECKOUT)
     parser.add_argument("--out", required=True, help="write the results JSON here")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (the CPU sizes), on any device")
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
 Mirrors no single vLLM file; the checkpoints are built the way tests/conftest.py builds
 text ones (chapter 11).
+Needs a source checkout (`pip install .` installs only nano_v1): imported from its root.
 
 Why it exists: chapter 11's claims need an engine running a real LLaVA architecture, and
 nothing here may be downloaded. `write_tiny_llava` writes a random LLaVA (CLIP vision

@@ -2,6 +2,7 @@
 
 Mirrors no single vLLM file: it is the arithmetic behind vLLM's tensor parallelism, and
 the measurements of notebook 13 (chapter 13).
+Needs a source checkout (`pip install .` installs only nano_v1): imported from its root.
 
 Why it exists: a sharded decoder layer costs two all-reduces of the hidden states (after
 `o_proj` and after `down_proj`), so a decode step of batch B on p ranks sends

@@ -1,6 +1,7 @@
 """Decode steps without and with CUDA graphs (eager, piecewise, full): latency, launches, host time.
 
 Mirrors the measurement behind vLLM's CUDA graph numbers (vllm/benchmarks/latency.py) (chapter 08).
+Needs a source checkout (`pip install .` installs only nano_v1): imported from its root.
 
 Why it exists: chapter 08 claims that a small model's decode step is bound by the host
 launching kernels, not by the GPU running them, and that graphing everything between the
@@ -28,14 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.context import SuiteContext, max_warm_up_steps, time_decode_steps
 from nano_v1.benchmarks.throughput import time_llm_generate
-from nano_v1.benchmarks.utils import (
-    SuiteContext,
-    max_warm_up_steps,
-    release_engines,
-    sample_random_requests,
-    time_decode_steps,
-)
+from nano_v1.benchmarks.utils import release_engines, sample_random_requests
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # Engine arguments of each mode. FULL_AND_PIECEWISE: a pure decode step is one full graph.
