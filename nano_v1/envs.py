@@ -51,3 +51,10 @@ def log_stats_interval_s() -> float:
 def http_timeout_keep_alive_s() -> int:
     """VLLM_HTTP_TIMEOUT_KEEP_ALIVE (seconds, default 5): when the server closes an idle connection."""
     return int(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+
+
+def http_timeout_request_s() -> float:
+    """NANO_V1_HTTP_TIMEOUT_REQUEST (seconds, default 60): how long a request may take to arrive, from
+    its first byte to its body's end, before the server closes the connection. nano_v1's own (vLLM
+    has none)."""
+    return float(os.environ.get("NANO_V1_HTTP_TIMEOUT_REQUEST", "60"))
