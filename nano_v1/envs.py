@@ -5,6 +5,8 @@ Mirrors vllm/envs.py (chapter 09).
 Why environment variables: these choose how the engine is laid out in processes, which
 the code under `LLM(...)` decides long before any argument could reach it (and vLLM's
 users already know the names). Each is read when it is needed, not at import.
+
+What differs from v0.11.0: NANO_V1_HTTP_TIMEOUT_REQUEST is nano_v1's own, hence its prefix.
 """
 
 from __future__ import annotations

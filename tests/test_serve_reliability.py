@@ -169,9 +169,15 @@ def test_errors_name_the_served_model_never_its_path(server):
 
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
-    for path, body in (("/tokenize", {"messages": messages}), ("/v1/chat/completions", {"messages": messages})):
+    for path, body in (
+        ("/tokenize", {"messages": messages}),
+        ("/v1/chat/completions", {"messages": messages}),
+    ):
         response = httpx.post(
-            f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=TIMEOUT_S
+            f"{server.base_url}{path}",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=TIMEOUT_S,
         )
         message = response.json()["error"]["message"]
         assert response.status_code == 400 and "'demo'" in message, message
@@ -318,8 +324,12 @@ def test_request_success_counts_each_completion_by_finished_reason(server):
     """Regression: `vllm:request_success_total` was missing, so what clients saw could not be checked."""
     before = server.metrics()
     client = server.client()
-    by_length = client.completions.create(model="demo", prompt="a", max_tokens=3, n=2, extra_body={"ignore_eos": True})
-    by_stop = client.completions.create(model="demo", prompt=PROMPT, max_tokens=32, temperature=0.0, stop=["\n"])
+    by_length = client.completions.create(
+        model="demo", prompt="a", max_tokens=3, n=2, extra_body={"ignore_eos": True}
+    )
+    by_stop = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=32, temperature=0.0, stop=["\n"]
+    )
     assert [c.finish_reason for c in by_length.choices + by_stop.choices] == ["length", "length", "stop"]
     after = server.metrics()
     for reason, count in (("length", 2), ("stop", 1), ("abort", 0)):
@@ -611,7 +621,7 @@ HUGE_BODIES = {
     "300k chat messages": (
         "/tokenize",
         {"messages": [{"role": "user", "content": "hi"}] * 300_000},
-        "characters",
+        "at most 10000",
     ),
     "2M token ids to /detokenize": ("/detokenize", {"tokens": [5] * 2_000_000}, None),
     "2M strings as token ids": ("/detokenize", {"tokens": ["5"] * 2_000_000}, "tokens"),

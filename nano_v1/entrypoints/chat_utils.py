@@ -45,9 +45,7 @@ def parse_chat_messages(
                 texts.append(part.text)
                 continue
             if not model_config.is_multimodal_model:
-                raise ValueError(
-                    f"model {model_name!r} is not multimodal; it takes no image_url parts."
-                )
+                raise ValueError(f"model {model_name!r} is not multimodal; it takes no image_url parts.")
             images.append(fetch_image(part.image_url.url))
             model_cls = resolve_model_cls(model_config.hf_config.architectures)
             placeholders.append(model_cls.get_placeholder_str("image", len(images)))

@@ -19,7 +19,9 @@ fails leaves nothing behind in the frontend or the core.
 What differs from v0.11.0: one model, built here (no lifespan, `init_app_state` or
 `OpenAIServingModels`: `/v1/models` lists the one); the routes return the handlers'
 responses as they are; the 401 is in OpenAI's error shape (v0.11.0's is
-`{"error": "Unauthorized"}`); and two middlewares of nano_v1's own, in hardening.py.
+`{"error": "Unauthorized"}`); two middlewares of nano_v1's own, in hardening.py; and the
+400 for a body that fails validation spells out at most `MAX_LISTED_PROBLEMS` problems and
+counts the rest.
 """
 
 from __future__ import annotations

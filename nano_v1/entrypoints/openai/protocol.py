@@ -15,11 +15,11 @@ false`) are declared, and accepted only with that value.
 What a request may cost is bounded before it is handled (issue 26: one body of a million
 unknown keys held the event loop for 34 s): unknown fields are found by one set
 difference and named a few at a time (`OpenAIRequestModel`), every list stops at its
-first bad item (`fail_fast`), and a request has at most `MAX_STOP` stop strings and
-`MAX_N` completions over all its prompts.
+first bad item (`fail_fast`), and a request has at most `MAX_STOP` stop strings,
+`MAX_N` completions over all its prompts, and `MAX_CHAT_ITEMS` messages (and parts per message).
 
 What differs from v0.11.0: v0.11.0 ignores unknown fields (with a warning) and has no
-bound on stop strings or on prompts per request; its token ids accept what pydantic
+bound on stop strings, prompts or messages per request; its token ids accept what pydantic
 coerces to int (`"1"`, `true`), ours only JSON integers.
 """
 
@@ -49,6 +49,9 @@ from nano_v1.sampling_params import RequestOutputKind, SamplingParams
 MAX_N = 128
 # The most stop strings one request may have: every new piece of text is searched for each.
 MAX_STOP = 64
+# The most messages a chat may have, and content parts a message: validating each costs
+# microseconds, on the event loop (300,000 messages held it for a second).
+MAX_CHAT_ITEMS = 10_000
 # How many unknown fields an error names; it counts the rest.
 MAX_NAMED_FIELDS = 3
 
@@ -205,7 +208,7 @@ class CompletionRequest(SamplingRequest):
             ) from None
 
     @model_validator(mode="after")
-    def _check_batch_size(self) -> "CompletionRequest":
+    def _check_batch_size(self) -> CompletionRequest:
         if len(self.prompts()) * self.n > MAX_N:
             raise ValueError(f"prompts * n must be at most {MAX_N}: each completion is a request of its own.")
         return self
@@ -244,11 +247,14 @@ ChatCompletionContentPartParam = Annotated[
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | Annotated[list[ChatCompletionContentPartParam], Field(fail_fast=True)]
+    content: (
+        str
+        | Annotated[list[ChatCompletionContentPartParam], Field(max_length=MAX_CHAT_ITEMS, fail_fast=True)]
+    )
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_ITEMS, fail_fast=True)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False  # the sampled token's logprob, per position
     top_logprobs: int | None = None  # and the top ones (needs logprobs: true)
@@ -276,7 +282,7 @@ class TokenizeChatRequest(OpenAIRequestModel):
     """`/tokenize` of messages, through the chat template as `/v1/chat/completions` renders them."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_ITEMS, fail_fast=True)
     return_token_strs: bool = False
 
 

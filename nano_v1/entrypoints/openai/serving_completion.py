@@ -9,9 +9,9 @@ Why it exists: the completions endpoint's own part of serving: its prompt, its i
 included. The rest (model check, sampling params, streaming loop) is `OpenAIServing`'s.
 
 What differs from v0.11.0: no `echo`, `suffix` or `best_of`, and a batch of prompts asks
-for at most `MAX_N` completions in all (protocol.py); no streaming loop of its own: `OpenAIServing._stream_generator`
-streams, and this class gives its chunks (`_stream_chunk`, `_usage_chunk`), where v0.11.0
-has `completion_stream_generator`.
+for at most `MAX_N` completions in all (protocol.py); no streaming loop of its own:
+`OpenAIServing._stream_generator` streams, and this class gives its chunks
+(`_stream_chunk`, `_usage_chunk`), where v0.11.0 has `completion_stream_generator`.
 """
 
 from __future__ import annotations

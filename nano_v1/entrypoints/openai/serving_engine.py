@@ -122,7 +122,9 @@ class OpenAIServing:
         try:
             params = request.to_sampling_params(default_max_tokens=None)
             generators = [
-                self.engine_client.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                self.engine_client.generate(
+                    prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                )
                 for i, prompt in enumerate(prompts)
             ]
             # The first `anext` validates and queues a request: a bad prompt is a 400 before any
@@ -142,17 +144,18 @@ class OpenAIServing:
         if not request.stream:
             completions = [c for i, output in enumerate(firsts) for c in _numbered(output, i, params.n)]
             usage = usage_info(firsts, sum(len(c.token_ids) for c in completions))
-            return JSONResponse(self._full_response(completions, usage, request_id, params.logprobs).model_dump())
+            return JSONResponse(
+                self._full_response(completions, usage, request_id, params.logprobs).model_dump()
+            )
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        streams = [_prepend(first, generator) for first, generator in zip(firsts, generators)]
         return StreamingResponse(
-            self._stream_generator(streams, firsts, request_id, params, include_usage),
+            self._stream_generator(generators, firsts, request_id, params, include_usage),
             media_type="text/event-stream",
         )
 
     async def _stream_generator(
         self,
-        streams: list[AsyncGenerator[RequestOutput, None]],
+        generators: list[AsyncGenerator[RequestOutput, None]],
         firsts: list[RequestOutput],
         request_id: str,
         params: SamplingParams,
@@ -160,15 +163,20 @@ class OpenAIServing:
     ) -> AsyncGenerator[str, None]:
         """Server-sent events: one chunk per new piece of a completion, then `data: [DONE]`.
 
-        `streams` are the prompts' outputs, `firsts` their first ones. If the client
-        disconnects, Starlette stops iterating this; closing the streams then aborts their
-        requests in the engine core (`AsyncLLM.generate`).
+        `generators` are the prompts' outputs, `firsts` the first of each, already taken. If
+        the client disconnects, Starlette stops iterating this; closing the generators then
+        aborts their requests in the engine core (`AsyncLLM.generate`).
         """
         finished: set[int] = set()  # completions whose finish_reason was sent
         sent_role: set[int] = set()
         num_chars_sent: dict[int, int] = {}  # per completion: where the next chunk's text starts
         num_completion_tokens = 0
-        async with contextlib.aclosing(merge_async_iterators(*streams)) as outputs:
+        async with contextlib.AsyncExitStack() as stack:
+            # Each generator closed explicitly: the merge closes only the ones it got to start.
+            for generator in generators:
+                await stack.enter_async_context(contextlib.aclosing(generator))
+            streams = [_prepend(first, generator) for first, generator in zip(firsts, generators)]
+            outputs = await stack.enter_async_context(contextlib.aclosing(merge_async_iterators(*streams)))
             try:
                 async for i, output in outputs:
                     for c in _numbered(output, i, params.n):
@@ -280,21 +288,23 @@ async def _first_outputs(generators: list[AsyncGenerator[RequestOutput, None]]) 
         raise
 
 
-async def _prepend(first: RequestOutput, generator: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
-    """`first`, then the rest of `generator`; closing this closes `generator` (aborting its request)."""
-    async with contextlib.aclosing(generator):
-        yield first
-        async for output in generator:
-            yield output
+async def _prepend(
+    first: RequestOutput, generator: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """`first`, then the rest of `generator`."""
+    yield first
+    async for output in generator:
+        yield output
 
 
 async def merge_async_iterators(
     *iterators: AsyncGenerator[T, None],
 ) -> AsyncGenerator[tuple[int, T], None]:
     """(i, item) as each iterator yields, until all are exhausted; closing this closes them all."""
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
+    if len(iterators) == 1:  # no task per item
+        async with contextlib.aclosing(iterators[0]) as iterator:
+            async for item in iterator:
+                yield 0, item
         return
     pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
     try:
