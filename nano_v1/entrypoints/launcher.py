@@ -8,6 +8,12 @@ it looks alive to a load balancer's TCP check and to a supervisor, so nothing re
 it. vLLM's answer, and ours: a watchdog notices the dead engine and asks uvicorn to exit;
 `run_server` then exits non-zero, and whoever supervises the process (systemd,
 Kubernetes) starts a fresh one.
+
+What differs from v0.11.0: nano_v1's own defences (nano_v1/entrypoints/openai/hardening.py
+lists them all): `IdleTimeoutH11Protocol`'s two timeouts, the listening socket created as
+IPPROTO_TCP (so asyncio sets TCP_NODELAY; v0.11.0's `create_server_socket`, in
+vllm/entrypoints/openai/api_server.py, uses protocol 0), no lifespan, and
+`end_open_requests` after a second Ctrl-C. vLLM's `serve_http` also refreshes SSL certificates.
 """
 
 from __future__ import annotations
