@@ -5,6 +5,8 @@ Mirrors vllm/envs.py (chapter 09).
 Why environment variables: these choose how the engine is laid out in processes, which
 the code under `LLM(...)` decides long before any argument could reach it (and vLLM's
 users already know the names). Each is read when it is needed, not at import.
+
+What differs from v0.11.0: NANO_V1_HTTP_TIMEOUT_REQUEST is nano_v1's own, hence its prefix.
 """
 
 from __future__ import annotations
@@ -51,3 +53,10 @@ def log_stats_interval_s() -> float:
 def http_timeout_keep_alive_s() -> int:
     """VLLM_HTTP_TIMEOUT_KEEP_ALIVE (seconds, default 5): when the server closes an idle connection."""
     return int(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+
+
+def http_timeout_request_s() -> float:
+    """NANO_V1_HTTP_TIMEOUT_REQUEST (seconds, default 60): how long a request may take to arrive, from
+    its first byte to its body's end, before the server closes the connection. nano_v1's own (vLLM
+    has none)."""
+    return float(os.environ.get("NANO_V1_HTTP_TIMEOUT_REQUEST", "60"))

@@ -162,6 +162,28 @@ def test_models_version_and_default_name(server):
     }
 
 
+def test_errors_name_the_served_model_never_its_path(server):
+    """Regression: the "not multimodal" error, open to anyone through /tokenize, named the server's
+    absolute path of the model."""
+    from nano_v1.demo_model import DEMO_MODEL_PATH
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
+    for path, body in (
+        ("/tokenize", {"messages": messages}),
+        ("/v1/chat/completions", {"messages": messages}),
+    ):
+        response = httpx.post(
+            f"{server.base_url}{path}",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=TIMEOUT_S,
+        )
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and "'demo'" in message, message
+        assert str(DEMO_MODEL_PATH) not in message and "/" not in message, message
+
+
 def test_api_key_required_on_v1_only(server):
     with pytest.raises(openai.AuthenticationError, match="API key"):
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -298,6 +320,23 @@ def test_metrics_count_what_was_served(server):
     assert "Avg prompt throughput" in server.output()  # the periodic line (every second here)
 
 
+def test_request_success_counts_each_completion_by_finished_reason(server):
+    """Regression: `vllm:request_success_total` was missing, so what clients saw could not be checked."""
+    before = server.metrics()
+    client = server.client()
+    by_length = client.completions.create(
+        model="demo", prompt="a", max_tokens=3, n=2, extra_body={"ignore_eos": True}
+    )
+    by_stop = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=32, temperature=0.0, stop=["\n"]
+    )
+    assert [c.finish_reason for c in by_length.choices + by_stop.choices] == ["length", "length", "stop"]
+    after = server.metrics()
+    for reason, count in (("length", 2), ("stop", 1), ("abort", 0)):
+        key = f'vllm:request_success_total{{"finished_reason": "{reason}"}}'
+        assert after[key] - before.get(key, 0) == count, reason
+
+
 def test_tokenize_and_detokenize(server, offline):
     tokenizer = offline.get_tokenizer()
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
@@ -316,6 +355,47 @@ def test_tokenize_and_detokenize(server, offline):
     assert chat["tokens"] == tokenizer.encode(templated, add_special_tokens=False)
     back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids}, timeout=TIMEOUT_S).json()
     assert back == {"prompt": PROMPT}
+
+
+def test_prompt_shapes_as_openai_reads_them(server, offline):
+    """Regression: `["1", "2"]` and `[true, false]` were token ids 1, 2 and 1, 0; a list of strings
+    was a 400. Now a list of strings (or of token-id lists) is a batch: prompt i's n choices
+    are indices i*n .. i*n+n-1; a list of ints is token ids; anything else is a 400."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, n=2)
+    tokenizer = offline.get_tokenizer()
+    texts = ["1", "2", "def f"]
+    expected = [c.text for o in offline.generate(texts, params, use_tqdm=False) for c in o.outputs]
+    prompt_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    client = server.client()
+    as_token_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for prompt in (texts, as_token_ids):
+        whole = client.completions.create(model="demo", prompt=prompt, max_tokens=4, temperature=0.0, n=2)
+        assert [c.index for c in whole.choices] == list(range(6))
+        assert [c.text for c in whole.choices] == expected
+        assert whole.usage.prompt_tokens == prompt_tokens
+        streamed = {i: "" for i in range(6)}
+        usage = None
+        for chunk in client.completions.create(
+            model="demo",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0.0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+            usage = chunk.usage or usage
+        assert list(streamed.values()) == expected and usage.prompt_tokens == prompt_tokens
+    ids = client.completions.create(model="demo", prompt=as_token_ids[2], max_tokens=4, temperature=0.0)
+    assert ids.choices[0].text == expected[4] and ids.usage.prompt_tokens == len(as_token_ids[2])
+    for bad in ([True, False], [1, "a"], ["a", 1], [[1], "a"], [[True]], [1.0], {"a": 1}):
+        with pytest.raises(openai.BadRequestError, match="prompt"):
+            client.completions.create(model="demo", prompt=bad, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="at most 128"):
+        client.completions.create(model="demo", prompt=["a"] * 65, max_tokens=1, n=2)
+    assert_idle(server)
 
 
 def completion(**fields) -> dict:
@@ -525,6 +605,73 @@ def test_a_10_mb_prompt_stalls_no_stream(server, offline):
     )
 
 
+# What each costs the server to parse and reject: the shapes of issue 26's stalls.
+HUGE_BODIES = {
+    "1M unknown fields to /tokenize": (
+        "/tokenize",
+        {"prompt": "x", **{f"k{i}": 0 for i in range(1_000_000)}},
+        "999997 more",
+    ),
+    "1M unknown fields to /v1/completions": (
+        "/v1/completions",
+        {"prompt": "x", **{f"k{i}": 0 for i in range(1_000_000)}},
+        "999997 more",
+    ),
+    "1M stop strings": ("/v1/completions", {"prompt": "x", "stop": ["ab"] * 1_000_000}, "stop"),
+    "300k chat messages": (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hi"}] * 300_000},
+        "at most 10000",
+    ),
+    "2M token ids to /detokenize": ("/detokenize", {"tokens": [5] * 2_000_000}, None),
+    "2M strings as token ids": ("/detokenize", {"tokens": ["5"] * 2_000_000}, "tokens"),
+}
+
+
+def test_a_huge_body_stalls_nothing(server):
+    """Regression: a body of 1M unknown keys held the event loop for 34 s (to /tokenize): the 400
+    listed every field. Each body here is handled while /version is asked again and again:
+    it must answer each time in under 2 s, and every error be short."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    bodies = {case: json.dumps(body).encode() for case, (_, body, _) in HUGE_BODIES.items()}
+
+    async def run() -> tuple[float, dict[str, httpx.Response]]:
+        done = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=TIMEOUT_S) as http:
+
+            async def worst_version_latency() -> float:
+                worst = 0.0
+                while not done.is_set():
+                    start = time.monotonic()
+                    with contextlib.suppress(httpx.TimeoutException):
+                        await http.get("/version", timeout=10)
+                    worst = max(worst, time.monotonic() - start)
+                    await asyncio.sleep(0.05)
+                return worst
+
+            async def send_all() -> dict[str, httpx.Response]:
+                try:
+                    return {
+                        case: await http.post(path, content=bodies[case])
+                        for case, (path, _, _) in HUGE_BODIES.items()
+                    }
+                finally:
+                    done.set()
+
+            return await asyncio.gather(worst_version_latency(), send_all())
+
+    worst, responses = asyncio.run(run())
+    assert worst < 2.0, f"/version took {worst:.1f} s while a huge body was handled"
+    for case, (_, _, word) in HUGE_BODIES.items():
+        response = responses[case]
+        if word is None:
+            assert response.status_code == 200, (case, response.text[:300])
+            continue
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and word in message and len(message) < 1000, (case, message[:300])
+    assert_idle(server)
+
+
 def test_idle_connection_is_closed(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
         start = time.monotonic()
@@ -684,6 +831,47 @@ def test_ctrl_c_while_the_model_loads_stops_cleanly():
             time.sleep(0.2)
     finally:
         starting.close()
+
+
+def test_second_ctrl_c_ends_open_streams_with_a_clean_error():
+    """Regression: a second Ctrl-C during streams gave every client a 500 ("internal server error
+    (ZMQError)") and logged a traceback per stream. Now each stream ends with a 503 saying the
+    server is shutting down, and the log says so in one line."""
+    stopping = ServeProcess(*ENGINE_FLAGS, "--disable-log-stats")
+    try:
+        stopping.wait_healthy()
+        client = openai.AsyncOpenAI(
+            base_url=f"{stopping.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S
+        )
+
+        async def one(i: int, started: asyncio.Event) -> str:
+            stream = await client.completions.create(
+                model="demo", prompt=f"s{i} = ", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+            )
+            try:
+                async for _ in stream:
+                    started.set()
+            except openai.APIError as e:
+                return e.message
+            return "finished"
+
+        async def run() -> list[str]:
+            events = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.create_task(one(i, e)) for i, e in enumerate(events)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), TIMEOUT_S)
+            stopping.proc.send_signal(signal.SIGINT)
+            await asyncio.sleep(1.0)  # uvicorn waits for the streams ...
+            stopping.proc.send_signal(signal.SIGINT)  # ... until told again
+            return await asyncio.wait_for(asyncio.gather(*streams), TIMEOUT_S)
+
+        messages = asyncio.run(run())
+        assert all("shutting down" in m for m in messages), messages
+        assert stopping.wait_exit(timeout_s=30) == 0
+        output = stopping.output()
+        assert output.count("Forced shutdown") == 1 and "Traceback" not in output, output[-3000:]
+        assert os.listdir(stopping.tmpdir) == []
+    finally:
+        stopping.close()
 
 
 def test_sigterm_finishes_open_streams_and_leaves_nothing(server):

@@ -35,6 +35,13 @@ from nano_v1.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class EngineShutdownError(Exception):
+    """The server stops at once (a second Ctrl-C): a request it still had ends with this, unfinished."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; the request was not finished")
+
+
 class AsyncLLM:
     """Create inside a running event loop (`AsyncLLM.from_engine_args(...)`)."""
 
@@ -146,9 +153,16 @@ class AsyncLLM:
             # The core is gone (or the output path broke): fail every waiting and future request.
             self.dead_error = e if isinstance(e, EngineDeadError) else EngineDeadError(repr(e))
             logger.error("AsyncLLM output handler stopped: %s", self.dead_error)
-            for request_queue in self.request_queues.values():
-                request_queue.put_nowait(self.dead_error)
-            self.request_queues.clear()
+            self.end_requests(self.dead_error)
+
+    def end_requests(self, error: Exception) -> int:
+        """End every open request's `generate()` with `error` (which then aborts it in the core);
+        return how many there were."""
+        request_queues = list(self.request_queues.values())
+        for request_queue in request_queues:
+            request_queue.put_nowait(error)
+        self.request_queues.clear()
+        return len(request_queues)
 
     def get_num_unfinished_requests(self) -> int:
         """User requests the frontend still holds state for (queues, detokenizers); 0 when idle."""

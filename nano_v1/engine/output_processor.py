@@ -201,6 +201,8 @@ class OutputProcessor:
             )
             touched[parent.request_id] = parent
             if finish_reason is not None:
+                if iteration_stats is not None:
+                    iteration_stats.update_from_finished_request(finish_reason)
                 del self.request_states[out.request_id]
                 if parent.finished():
                     del self.parent_requests[parent.request_id]

@@ -24,9 +24,13 @@ if TYPE_CHECKING:
 
 
 def parse_chat_messages(
-    messages: list[ChatMessage], model_config: ModelConfig
+    messages: list[ChatMessage], model_config: ModelConfig, model_name: str
 ) -> tuple[list[dict[str, str]], list[Image.Image]]:
-    """(the conversation for `apply_chat_template`, the images of every message in order)."""
+    """(the conversation for `apply_chat_template`, the images of every message in order).
+
+    `model_name` is the model as the client knows it (the served name), which errors name:
+    `model_config.model` may be a path on the server, which is none of the client's business.
+    """
     from nano_v1.model_executor.models import resolve_model_cls
 
     conversation: list[dict[str, str]] = []
@@ -41,9 +45,7 @@ def parse_chat_messages(
                 texts.append(part.text)
                 continue
             if not model_config.is_multimodal_model:
-                raise ValueError(
-                    f"model {model_config.model!r} is not multimodal; it takes no image_url parts."
-                )
+                raise ValueError(f"model {model_name!r} is not multimodal; it takes no image_url parts.")
             images.append(fetch_image(part.image_url.url))
             model_cls = resolve_model_cls(model_config.hf_config.architectures)
             placeholders.append(model_cls.get_placeholder_str("image", len(images)))

@@ -31,6 +31,9 @@ from nano_v1.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
+# vLLM's FinishReason, as its request_success counter labels them.
+FINISH_REASONS = ("stop", "length", "abort")
+
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = [
     0.001,
@@ -195,6 +198,16 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_generation_tokens = make(
             Counter, "vllm:generation_tokens", "Number of generation tokens processed."
         )
+        # By why each engine-core request finished (vLLM's FinishReason), each from zero.
+        request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labelnames=[*labels, "finished_reason"],
+            registry=registry,
+        )
+        self.counter_request_success = {
+            reason: request_success.labels(**labels, finished_reason=reason) for reason in FINISH_REASONS
+        }
         self.histogram_time_to_first_token = make(
             Histogram,
             "vllm:time_to_first_token_seconds",
@@ -247,3 +260,5 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.histogram_time_to_first_token.observe(ttft)
             for itl in iteration_stats.inter_token_latencies_iter:
                 self.histogram_inter_token_latency.observe(itl)
+            for finished_request in iteration_stats.finished_requests:
+                self.counter_request_success[finished_request.finish_reason].inc()

@@ -66,6 +66,17 @@ class RequestStateStats:
     last_token_ts: float = 0.0  # when its latest output arrived
 
 
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """An engine-core request that finished in this step, and why: "stop", "length" or "abort".
+
+    vLLM's also has the request's latencies (end to end, queued, prefill, decode), which
+    feed histograms nano_v1 does not export.
+    """
+
+    finish_reason: str
+
+
 class IterationStats:
     """What the frontend saw in one batch of engine-core outputs (one step's worth).
 
@@ -80,6 +91,7 @@ class IterationStats:
         self.num_generation_tokens = 0
         self.time_to_first_tokens_iter: list[float] = []
         self.inter_token_latencies_iter: list[float] = []
+        self.finished_requests: list[FinishedRequestStats] = []
 
     def update_from_output(self, num_new_tokens: int, prompt_len: int, req_stats: RequestStateStats) -> None:
         """Count one request's new tokens; its first output closes the prefill (TTFT), later ones an ITL."""
@@ -92,3 +104,6 @@ class IterationStats:
         self.num_generation_tokens += num_new_tokens
         req_stats.num_generation_tokens += num_new_tokens
         req_stats.last_token_ts = now
+
+    def update_from_finished_request(self, finish_reason: str) -> None:
+        self.finished_requests.append(FinishedRequestStats(finish_reason))

@@ -19,7 +19,9 @@ fails leaves nothing behind in the frontend or the core.
 What differs from v0.11.0: one model, built here (no lifespan, `init_app_state` or
 `OpenAIServingModels`: `/v1/models` lists the one); the routes return the handlers'
 responses as they are; the 401 is in OpenAI's error shape (v0.11.0's is
-`{"error": "Unauthorized"}`); and two middlewares of nano_v1's own, in hardening.py.
+`{"error": "Unauthorized"}`); two middlewares of nano_v1's own, in hardening.py; and the
+400 for a body that fails validation spells out at most `MAX_LISTED_PROBLEMS` problems and
+counts the rest.
 """
 
 from __future__ import annotations
@@ -69,23 +71,31 @@ from nano_v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, Sta
 
 router = APIRouter()
 
+# How many of a request's validation problems its 400 spells out; it counts the rest.
+MAX_LISTED_PROBLEMS = 3
+
 
 # ---------------------------------------------------------------------------------- errors
 async def validation_exception_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """Malformed JSON, wrong types, unknown fields: one 400 listing each problem with its field."""
+    """Malformed JSON, wrong types, unknown fields: one 400 naming the first few problems and their count.
+
+    Bounded, whatever the body: a message listing every problem of a body with a million
+    of them was built on the event loop for seconds and ran to megabytes (issue 26).
+    """
+    errors = exc.errors()
     problems, param = [], None
-    for err in exc.errors():
+    for err in errors[:MAX_LISTED_PROBLEMS]:
         where = ".".join(str(part) for part in err["loc"] if part != "body")
         param = param or where or None
-        if err["type"] == "extra_forbidden":
-            message = "unknown field, or one nano_v1 does not support"
-        elif err["type"] == "value_error":
+        if err["type"] == "value_error":
             message = str(err["ctx"]["error"])  # our own message, without pydantic's "Value error, " prefix
         elif err["type"] == "json_invalid":
             message = f"invalid JSON: {err['ctx']['error']}"
         else:
             message = err["msg"]
         problems.append(f"{where}: {message}" if where else message)
+    if len(errors) > MAX_LISTED_PROBLEMS:
+        problems.append(f"and {len(errors) - MAX_LISTED_PROBLEMS} more problems")
     return OpenAIServing.create_error_response(HTTPStatus.BAD_REQUEST, "; ".join(problems), param)
 
 

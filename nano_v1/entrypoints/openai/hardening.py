@@ -12,7 +12,28 @@ nano_v1/entrypoints/openai/api_server.py). Each fixes a defect a test found (cha
   body of any size was read whole into memory and parsed before anything looked at it;
   now one over `--max-request-body-bytes` is a 413, before it is read (by its
   Content-Length) or as soon as it passes the limit (a chunked body).
-"""
+
+The other defences, and whose they are:
+
+- uvicorn's own, configured: `timeout_keep_alive` (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes a
+  connection idle after a response; h11's `max_incomplete_event_size` (uvicorn's
+  `h11_max_incomplete_event_size`, 16 KiB by default) bounds a request's headers;
+  `lifespan="off"`, since the app has no startup or shutdown hooks and a forced exit left
+  the lifespan task to be cancelled with a traceback (nano_v1/entrypoints/launcher.py).
+- asyncio's own, switched on: TCP_NODELAY on every accepted connection, which asyncio sets
+  only when the listening socket is created as IPPROTO_TCP
+  (nano_v1/entrypoints/launcher.py::create_server_socket); it was protocol 0, and every
+  small response waited ~40 ms for Nagle's algorithm.
+- pydantic's own, switched on: `fail_fast` stops validating a list at its first bad item.
+- hand-rolled, as uvicorn has nothing for them: the keep-alive timer armed when a
+  connection opens, and the bound on how long a request may take to arrive
+  (NANO_V1_HTTP_TIMEOUT_REQUEST), in nano_v1/entrypoints/launcher.py's
+  `IdleTimeoutH11Protocol`; the bounded cost of a body (one error for all unknown fields,
+  at most `MAX_STOP` stop strings and `MAX_N` completions per request) in
+  nano_v1/entrypoints/openai/protocol.py, and the bounded 400 message
+  (`validation_exception_handler`, api_server.py): a body of a million unknown keys held
+  the event loop for 34 s; and `end_open_requests` (launcher.py), which ends the open
+  streams with a clean error after a second Ctrl-C instead of a 500 ("ZMQError") each."""
 
 from __future__ import annotations
 

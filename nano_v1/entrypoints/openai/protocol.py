@@ -11,21 +11,52 @@ A request never silently gets less than it asked for: a field we do not implemen
 400 naming it, as OpenAI answers an unknown parameter and vLLM an unsupported one. The
 OpenAI fields clients often send with their no-op value (`presence_penalty: 0`, `echo:
 false`) are declared, and accepted only with that value.
+
+What a request may cost is bounded before it is handled (issue 26: one body of a million
+unknown keys held the event loop for 34 s): unknown fields are found by one set
+difference and named a few at a time (`OpenAIRequestModel`), every list stops at its
+first bad item (`fail_fast`), and a request has at most `MAX_STOP` stop strings,
+`MAX_N` completions over all its prompts, and `MAX_CHAT_ITEMS` messages (and parts per message).
+
+What differs from v0.11.0: v0.11.0 ignores unknown fields (with a warning) and has no
+bound on stop strings, prompts or messages per request; its token ids accept what pydantic
+coerces to int (`"1"`, `true`), ours only JSON integers.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from nano_v1.sampling_params import RequestOutputKind, SamplingParams
 
 # The most completions one request may ask for: OpenAI's limit for chat completions. Each is a
-# request of its own in the engine core.
+# request of its own in the engine core. A batch of prompts shares the bound: prompts * n <= MAX_N.
 MAX_N = 128
+# The most stop strings one request may have: every new piece of text is searched for each.
+MAX_STOP = 64
+# The most messages a chat may have, and content parts a message: validating each costs
+# microseconds, on the event loop (300,000 messages held it for a second).
+MAX_CHAT_ITEMS = 10_000
+# How many unknown fields an error names; it counts the rest.
+MAX_NAMED_FIELDS = 3
+
+# Token ids: JSON integers only (not "1" or true), and a list stops at its first bad item.
+TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -37,6 +68,18 @@ class OpenAIRequestModel(OpenAIBaseModel):
     """A request body: an unknown field is an error (a 400 naming it), not silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_fields(cls, data: Any) -> Any:
+        """One error for all unknown fields, naming a few: pydantic's own would be one per field."""
+        if isinstance(data, dict) and (num_unknown := len(data.keys() - cls.model_fields.keys())):
+            named = list(itertools.islice((k for k in data if k not in cls.model_fields), MAX_NAMED_FIELDS))
+            more = f" and {num_unknown - len(named)} more" if num_unknown > len(named) else ""
+            raise ValueError(
+                f"unknown fields, or ones nano_v1 does not support: {', '.join(map(repr, named))}{more}"
+            )
+        return data
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -97,7 +140,7 @@ class SamplingRequest(OpenAIRequestModel):
     top_k: int = 0
     n: int = Field(1, le=MAX_N)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP, fail_fast=True)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     min_tokens: int = 0
@@ -134,7 +177,13 @@ class SamplingRequest(OpenAIRequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
+    # A text, token ids, or a batch of either (each prompt gets its own n choices), as OpenAI's.
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(fail_fast=True)]
+        | Annotated[list[TokenIds], Field(fail_fast=True)]
+    )
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the top `logprobs` tokens per position, and the sampled one
     # Not implemented: accepted only at their no-op values.
@@ -145,6 +194,33 @@ class CompletionRequest(SamplingRequest):
     _check_echo = field_validator("echo")(_reject_unless((False,)))
     _check_best_of = field_validator("best_of")(_reject_unless((None, 1)))
     _check_suffix = field_validator("suffix")(_reject_unless((None,)))
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One message for a prompt of no accepted shape, not one per shape it failed."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "prompt must be a string, a list of strings (a batch of prompts), a list of token "
+                "ids (integers) or a list of lists of token ids."
+            ) from None
+
+    @model_validator(mode="after")
+    def _check_batch_size(self) -> CompletionRequest:
+        if len(self.prompts()) * self.n > MAX_N:
+            raise ValueError(f"prompts * n must be at most {MAX_N}: each completion is a request of its own.")
+        return self
+
+    def prompts(self) -> list[str | dict[str, list[int]]]:
+        """The prompts, each in `AsyncLLM.generate`'s form: a text or {"prompt_token_ids": [...]}."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt or isinstance(prompt[0], int):
+            return [{"prompt_token_ids": prompt}]
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -171,11 +247,14 @@ ChatCompletionContentPartParam = Annotated[
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[ChatCompletionContentPartParam]
+    content: (
+        str
+        | Annotated[list[ChatCompletionContentPartParam], Field(max_length=MAX_CHAT_ITEMS, fail_fast=True)]
+    )
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_ITEMS, fail_fast=True)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False  # the sampled token's logprob, per position
     top_logprobs: int | None = None  # and the top ones (needs logprobs: true)
@@ -203,7 +282,7 @@ class TokenizeChatRequest(OpenAIRequestModel):
     """`/tokenize` of messages, through the chat template as `/v1/chat/completions` renders them."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_ITEMS, fail_fast=True)
     return_token_strs: bool = False
 
 
@@ -216,7 +295,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -35,8 +35,8 @@ from nano_v1.entrypoints.openai.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
-from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing, usage_info
-from nano_v1.outputs import CompletionOutput, RequestOutput
+from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing
+from nano_v1.outputs import CompletionOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,10 +47,10 @@ class OpenAIServingChat(OpenAIServing):
             prompt = await self.engine_client.run_in_tokenizer_thread(self._preprocess_chat, request.messages)
         except ValueError as e:
             return self.create_error_response(HTTPStatus.BAD_REQUEST, str(e), "messages")
-        return await self._serve(request, raw_request, prompt)
+        return await self._serve(request, raw_request, [prompt])
 
     def _full_response(
-        self, output: RequestOutput, request_id: str, num_logprobs: int | None
+        self, completions: list[CompletionOutput], usage: UsageInfo, request_id: str, num_logprobs: int | None
     ) -> ChatCompletionResponse:
         choices = [
             ChatCompletionResponseChoice(
@@ -59,9 +59,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=self._create_chat_logprobs(c, num_logprobs),
                 finish_reason=c.finish_reason,
             )
-            for c in output.outputs
+            for c in completions
         ]
-        usage = usage_info(output, sum(len(c.token_ids) for c in output.outputs))
         return ChatCompletionResponse(
             id=request_id, model=self.served_model_name, choices=choices, usage=usage
         )

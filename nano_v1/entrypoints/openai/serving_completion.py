@@ -8,10 +8,10 @@ Why it exists: the completions endpoint's own part of serving: its prompt, its i
 ("cmpl-..."), and how a `RequestOutput` is spelled as `CompletionResponse`, logprobs
 included. The rest (model check, sampling params, streaming loop) is `OpenAIServing`'s.
 
-What differs from v0.11.0: one prompt per request (no lists of prompts, no `echo`,
-`suffix` or `best_of`), and no streaming loop of its own: `OpenAIServing._stream_generator`
-streams, and this class gives its chunks (`_stream_chunk`, `_usage_chunk`), where v0.11.0
-has `completion_stream_generator`.
+What differs from v0.11.0: no `echo`, `suffix` or `best_of`, and a batch of prompts asks
+for at most `MAX_N` completions in all (protocol.py); no streaming loop of its own:
+`OpenAIServing._stream_generator` streams, and this class gives its chunks
+(`_stream_chunk`, `_usage_chunk`), where v0.11.0 has `completion_stream_generator`.
 """
 
 from __future__ import annotations
@@ -26,19 +26,18 @@ from nano_v1.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     UsageInfo,
 )
-from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing, usage_info
-from nano_v1.outputs import CompletionOutput, RequestOutput
+from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing
+from nano_v1.outputs import CompletionOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
     request_id_prefix = "cmpl"
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        prompt = {"prompt_token_ids": request.prompt} if isinstance(request.prompt, list) else request.prompt
-        return await self._serve(request, raw_request, prompt)
+        return await self._serve(request, raw_request, request.prompts())
 
     def request_output_to_completion_response(
-        self, output: RequestOutput, request_id: str, num_logprobs: int | None
+        self, completions: list[CompletionOutput], usage: UsageInfo, request_id: str, num_logprobs: int | None
     ) -> CompletionResponse:
         choices = [
             CompletionResponseChoice(
@@ -48,9 +47,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
-            for c in output.outputs
+            for c in completions
         ]
-        usage = usage_info(output, sum(len(c.token_ids) for c in output.outputs))
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
     _full_response = request_output_to_completion_response  # what `_serve` answers a whole request with

@@ -3,7 +3,7 @@ plumbing from an HTTP request to `AsyncLLM.generate()` and back.
 
 Mirrors vllm/entrypoints/openai/serving_engine.py (`OpenAIServing`, `create_error_response`,
 `create_streaming_error_response`, `_check_model`, `_preprocess_chat`,
-`_get_decoded_token`) (chapter 09).
+`_get_decoded_token`) and vllm/utils/__init__.py (`merge_async_iterators`) (chapter 09).
 
 Why it exists: completions and chat differ only in how the prompt is built and how each
 `RequestOutput` is spelled in JSON. Everything between (sampling params, the first output
@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Awaitable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nano_v1.engine.async_llm import AsyncLLM
+from nano_v1.engine.async_llm import AsyncLLM, EngineShutdownError
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.processor import PromptType
 from nano_v1.entrypoints.chat_utils import parse_chat_messages
@@ -47,8 +48,11 @@ from nano_v1.entrypoints.openai.protocol import (
     random_id,
 )
 from nano_v1.outputs import CompletionOutput, RequestOutput
+from nano_v1.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The logprob JSON reports for -inf (JSON has no infinity); OpenAI and vLLM use the same.
 MIN_LOGPROB = -9999.0
@@ -96,7 +100,9 @@ class OpenAIServing:
         if tokenizer is None or tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions.")
         # Images become placeholders in the text and the prompt's multi_modal_data.
-        conversation, images = parse_chat_messages(messages, self.engine_client.vllm_config.model_config)
+        conversation, images = parse_chat_messages(
+            messages, self.engine_client.vllm_config.model_config, self.served_model_name
+        )
         try:
             prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except TemplateError as e:
@@ -104,57 +110,76 @@ class OpenAIServing:
         return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
 
     # ------------------------------------------------------------------------ generating
-    async def _serve(self, request: SamplingRequest, raw_request: Request, prompt: Any) -> Response:
-        """Check the model, build sampling params, then answer in one JSON or as a stream."""
+    async def _serve(self, request: SamplingRequest, raw_request: Request, prompts: list[Any]) -> Response:
+        """Check the model, build sampling params, then answer in one JSON or as a stream.
+
+        Each prompt of a batch is a request of its own in the engine; its `n` completions are
+        the response's choices `i * n` to `i * n + n - 1` (prompt `i`), as vLLM numbers them.
+        """
         if (error := self._check_model(request.model)) is not None:
             return error
         request_id = random_id(self.request_id_prefix)
         try:
             params = request.to_sampling_params(default_max_tokens=None)
-            # The first `anext` validates and queues the request: a bad prompt is a 400 before any
+            generators = [
+                self.engine_client.generate(
+                    prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                )
+                for i, prompt in enumerate(prompts)
+            ]
+            # The first `anext` validates and queues a request: a bad prompt is a 400 before any
             # stream starts. Without streaming (FINAL_ONLY) the first output is the finished one.
-            generator = self.engine_client.generate(prompt, params, request_id)
             if request.stream:
-                first = await anext(generator)
+                firsts = await _first_outputs(generators)
             else:
-                first = await _run_until_disconnect(raw_request, anext(generator))
-                if first is None:
-                    return Response(status_code=499)  # the client left; its request was aborted
-                await generator.aclose()
+                firsts = await _run_until_disconnect(raw_request, _first_outputs(generators))
+                if firsts is None:
+                    return Response(status_code=499)  # the client left; its requests were aborted
+                for generator in generators:
+                    await generator.aclose()
         except ValueError as e:
             return self.create_error_response(HTTPStatus.BAD_REQUEST, str(e))
-        except EngineDeadError as e:
+        except (EngineDeadError, EngineShutdownError) as e:
             return self.create_error_response(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
         if not request.stream:
-            return JSONResponse(self._full_response(first, request_id, params.logprobs).model_dump())
+            completions = [c for i, output in enumerate(firsts) for c in _numbered(output, i, params.n)]
+            usage = usage_info(firsts, sum(len(c.token_ids) for c in completions))
+            return JSONResponse(
+                self._full_response(completions, usage, request_id, params.logprobs).model_dump()
+            )
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         return StreamingResponse(
-            self._stream_generator(generator, first, request_id, params.logprobs, include_usage),
+            self._stream_generator(generators, firsts, request_id, params, include_usage),
             media_type="text/event-stream",
         )
 
     async def _stream_generator(
         self,
-        generator: AsyncGenerator[RequestOutput, None],
-        first: RequestOutput,
+        generators: list[AsyncGenerator[RequestOutput, None]],
+        firsts: list[RequestOutput],
         request_id: str,
-        num_logprobs: int | None,
+        params: SamplingParams,
         include_usage: bool,
     ) -> AsyncGenerator[str, None]:
         """Server-sent events: one chunk per new piece of a completion, then `data: [DONE]`.
 
-        If the client disconnects, Starlette stops iterating this; closing `generator` then
-        aborts the request in the engine core (`AsyncLLM.generate`).
+        `generators` are the prompts' outputs, `firsts` the first of each, already taken. If
+        the client disconnects, Starlette stops iterating this; closing the generators then
+        aborts their requests in the engine core (`AsyncLLM.generate`).
         """
         finished: set[int] = set()  # completions whose finish_reason was sent
         sent_role: set[int] = set()
         num_chars_sent: dict[int, int] = {}  # per completion: where the next chunk's text starts
         num_completion_tokens = 0
-        async with contextlib.aclosing(generator):
+        async with contextlib.AsyncExitStack() as stack:
+            # Each generator closed explicitly: the merge closes only the ones it got to start.
+            for generator in generators:
+                await stack.enter_async_context(contextlib.aclosing(generator))
+            streams = [_prepend(first, generator) for first, generator in zip(firsts, generators)]
+            outputs = await stack.enter_async_context(contextlib.aclosing(merge_async_iterators(*streams)))
             try:
-                output = first
-                while True:
-                    for c in output.outputs:
+                async for i, output in outputs:
+                    for c in _numbered(output, i, params.n):
                         num_completion_tokens += len(c.token_ids)
                         # A chunk says something if it has text, tokens (their logprobs), an end, or the role.
                         if c.index in finished or (
@@ -169,17 +194,14 @@ class OpenAIServing:
                         text_offset = num_chars_sent.get(c.index, 0)
                         num_chars_sent[c.index] = text_offset + len(c.text)
                         first_chunk = c.index not in sent_role
-                        chunk = self._stream_chunk(c, request_id, num_logprobs, first_chunk, text_offset)
+                        chunk = self._stream_chunk(c, request_id, params.logprobs, first_chunk, text_offset)
                         yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
                         sent_role.add(c.index)
-                    if output.finished:
-                        break
-                    output = await anext(generator)
                 if include_usage:
-                    usage_chunk = self._usage_chunk(request_id, usage_info(first, num_completion_tokens))
+                    usage_chunk = self._usage_chunk(request_id, usage_info(firsts, num_completion_tokens))
                     yield f"data: {usage_chunk.model_dump_json(exclude_none=True)}\n\n"
             except Exception as e:
-                if isinstance(e, EngineDeadError):
+                if isinstance(e, (EngineDeadError, EngineShutdownError)):
                     yield self.create_streaming_error_response(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
                 else:
                     logger.exception("internal error in stream %s", request_id)
@@ -190,9 +212,10 @@ class OpenAIServing:
 
     # What each endpoint spells its own way.
     def _full_response(
-        self, output: RequestOutput, request_id: str, num_logprobs: int | None
+        self, completions: list[CompletionOutput], usage: UsageInfo, request_id: str, num_logprobs: int | None
     ) -> ResponseBase:
-        """The whole response to a finished request; `num_logprobs` None: it asked for no logprobs."""
+        """The whole response to finished requests: their completions, numbered as choices;
+        `num_logprobs` None: they asked for no logprobs."""
         raise NotImplementedError
 
     def _stream_chunk(
@@ -236,10 +259,68 @@ async def _run_until_disconnect(raw_request: Request, awaitable: Awaitable[Any])
     return None
 
 
-def usage_info(output: RequestOutput, num_completion_tokens: int) -> UsageInfo:
-    num_prompt_tokens = len(output.prompt_token_ids)
+def usage_info(outputs: list[RequestOutput], num_completion_tokens: int) -> UsageInfo:
+    num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
     )
+
+
+def _numbered(output: RequestOutput, i: int, n: int) -> list[CompletionOutput]:
+    """Prompt `i`'s completions, numbered as the response's choices: `i * n + index`."""
+    return [dataclasses.replace(c, index=i * n + c.index) for c in output.outputs]
+
+
+async def _first_outputs(generators: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+    """Each generator's first output, awaited together. If one fails (or this is cancelled), the
+    others are cancelled and every generator closed, so none of their requests stays in the engine."""
+    tasks = [asyncio.ensure_future(anext(generator)) for generator in generators]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for generator in generators:
+            await generator.aclose()
+        raise
+
+
+async def _prepend(
+    first: RequestOutput, generator: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """`first`, then the rest of `generator`."""
+    yield first
+    async for output in generator:
+        yield output
+
+
+async def merge_async_iterators(
+    *iterators: AsyncGenerator[T, None],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """(i, item) as each iterator yields, until all are exhausted; closing this closes them all."""
+    if len(iterators) == 1:  # no task per item
+        async with contextlib.aclosing(iterators[0]) as iterator:
+            async for item in iterator:
+                yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()

@@ -57,14 +57,20 @@ class OpenAIServingTokenization(OpenAIServing):
         if (error := self._check_model(request.model)) is not None:
             return error
         engine = self.engine_client
+        if engine.tokenizer is None:
+            return self.create_error_response(HTTPStatus.BAD_REQUEST, "this model has no tokenizer", "tokens")
         vocab_size = engine.processor.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if engine.tokenizer is None or bad:
-            message = (
-                "this model has no tokenizer"
-                if engine.tokenizer is None
-                else (f"token id {bad[0]} is out of vocabulary (vocab_size={vocab_size})")
-            )
-            return self.create_error_response(HTTPStatus.BAD_REQUEST, message, "tokens")
-        text = await engine.run_in_tokenizer_thread(engine.tokenizer.decode, request.tokens)
+
+        def decode() -> str:
+            """The text; ValueError naming the first id outside the vocabulary."""
+            bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is out of vocabulary (vocab_size={vocab_size})")
+            return engine.tokenizer.decode(request.tokens)
+
+        # In the tokenizer thread, the check too: for millions of ids it takes a while.
+        try:
+            text = await engine.run_in_tokenizer_thread(decode)
+        except ValueError as e:
+            return self.create_error_response(HTTPStatus.BAD_REQUEST, str(e), "tokens")
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
