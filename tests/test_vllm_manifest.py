@@ -329,6 +329,7 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "EngineArgs.config_kwargs": "builds a config from the fields get_field tagged with it",
     },
     "nano_v1/engine/async_llm.py": {
+        "AsyncLLM.end_requests": "ends open requests with an error on a forced shutdown, our hardening",
         "AsyncLLM.run_in_tokenizer_thread": (
             "tokenizer work off the event loop; v0.11.0's uses an AsyncMicrobatchTokenizer in the server"
         ),
@@ -370,6 +371,9 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "Processor.tokenize": "v0.11.0 tokenizes in its InputPreprocessor (vllm/inputs/preprocess.py)",
     },
     "nano_v1/entrypoints/launcher.py": {
+        "IdleTimeoutH11Protocol.data_received": "bounds how long a request takes to arrive, our hardening",
+        "IdleTimeoutH11Protocol.connection_lost": "bounds how long a request takes to arrive, our hardening",
+        "end_open_requests": "a second Ctrl-C ends open streams cleanly, our hardening",
         "IdleTimeoutH11Protocol.connection_made": (
             "closes idle connections, our hardening of uvicorn's protocol"
         ),
@@ -390,6 +394,7 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "usage_info": "the usage block both endpoints answer with; v0.11.0 builds UsageInfo inline in each",
     },
     "nano_v1/entrypoints/openai/protocol.py": {
+        "CompletionRequest.prompts": "the prompt field as a batch; v0.11.0 parses it in serving_completion",
         "SamplingRequest.num_logprobs": "a base class of the two requests, which v0.11.0 does not share",
         "SamplingRequest.to_sampling_params": (
             "a base class of the two requests, which v0.11.0 does not share"
@@ -399,6 +404,7 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "random_id": "v0.11.0 uses random_uuid from vllm/utils/__init__.py",
     },
     "nano_v1/envs.py": {
+        "http_timeout_request_s": "nano_v1's own NANO_V1_HTTP_TIMEOUT_REQUEST (how long a request may take to arrive)",
         "enable_v1_multiprocessing": "v0.11.0: the attribute envs.VLLM_ENABLE_V1_MULTIPROCESSING",
         "worker_multiproc_method": "v0.11.0: the attribute envs.VLLM_WORKER_MULTIPROC_METHOD",
         "attention_backend": "v0.11.0: the attribute envs.VLLM_ATTENTION_BACKEND",
