@@ -508,6 +508,82 @@ def test_engine_core_process_drives_worker_processes(checkpoints, monkeypatch):
     assert wait_until_gone([core_pid, *below], timeout=10.0) == []
 
 
+def queue_files() -> set[str]:
+    """What Python's shared memory and named semaphores leave in /dev/shm (psm_*, sem.mp-*)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("psm_", "sem.mp-"))}
+
+
+def sigterm_one_thread(pid: int) -> int:
+    """Send SIGTERM to one thread of `pid` other than its main thread (one that does not block it),
+    as the kernel may do with a SIGTERM sent to the process; return that thread's id."""
+    import ctypes
+
+    def blocks_sigterm(tid: int) -> bool:
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        return bool(blocked >> (signal.SIGTERM - 1) & 1)
+
+    tids = sorted(int(task.name) for task in Path(f"/proc/{pid}/task").iterdir())
+    tid = next(tid for tid in tids if tid != pid and not blocks_sigterm(tid))
+    if ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+    return tid
+
+
+def test_engine_core_stops_on_a_sigterm_taken_by_another_thread(checkpoints, monkeypatch):
+    """The client stops the engine-core process with SIGTERM. The kernel may hand it to any
+    thread, and CPython runs the handler only in the main thread, which sleeps on the input
+    queue while idle: the process must still stop its workers and remove its queues' shared
+    memory and semaphores at once (before, it slept on until the client killed it 5 s later,
+    and Python's resource tracker reported them leaked)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    before = queue_files()
+    llm = LLM(model=checkpoints["qwen3"], dtype="float32", tensor_parallel_size=2, **SMALL_CACHE)
+    try:
+        greedy(llm, [[1, 2, 3]])
+        core_pid = llm.llm_engine.engine_core.resources.proc.pid
+        below = descendants(core_pid)
+        assert queue_files() - before, "the engine core's queues are in /dev/shm"
+        sigterm_one_thread(core_pid)
+        assert wait_until_gone([core_pid, *below], timeout=3.0) == []
+        assert queue_files() - before == set()
+    finally:
+        llm.llm_engine.shutdown()
+
+
+CLEAN_EXIT_SCRIPT = """
+import sys
+from nano_v1 import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64, max_model_len=256)
+outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+print("tokens", outputs[0].outputs[0].token_ids)
+if sys.argv[2] == "shutdown":
+    llm.llm_engine.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "multiprocessing_env, end", [("1", "exit"), ("1", "shutdown"), ("0", "exit")],
+    ids=["engine-core-process", "engine-core-process-shutdown", "in-process"],
+)  # fmt: skip
+def test_a_finished_script_leaves_nothing_behind(checkpoints, tmp_path, multiprocessing_env, end):
+    """`LLM(tensor_parallel_size=2)` in a plain script, which ends by exiting (or by shutting the
+    engine down first): no resource-tracker warning about leaked shared memory or semaphores,
+    and nothing new in /dev/shm."""
+    script = tmp_path / "generate.py"
+    script.write_text(CLEAN_EXIT_SCRIPT)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing_env)
+    before = queue_files()
+    result = subprocess.run(
+        [sys.executable, str(script), checkpoints["qwen3"], end],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0 and "tokens [" in result.stdout, result.stdout + result.stderr
+    assert "resource_tracker" not in result.stderr and "leaked" not in result.stderr, result.stderr
+    assert queue_files() - before == set()
+
+
 @pytest.mark.slow
 def test_torchrun_external_launcher_gives_the_same_tokens(checkpoints, tmp_path):
     """`torchrun --nproc-per-node 2`: each rank runs its own engine; rank 0 writes what it generated."""
