@@ -71,7 +71,7 @@ def hf_greedy(
     from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    # From its module: transformers 5.17's top-level AutoImageProcessor is a placeholder that needs torchvision.
+    # From its module: transformers 5.17's top-level AutoImageProcessor is a placeholder needing torchvision.
     processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
     image_token = image_token_id(path)
     outputs = []
@@ -391,7 +391,9 @@ def with_image_processor_layout(src: str, dst: Path, layout: str) -> str:
 
 
 @pytest.mark.parametrize("layout", ["processor", "preprocessor"])
-def test_every_image_processor_layout_transformers_writes_loads(llava_llama, llama_reference, tmp_path, layout):
+def test_every_image_processor_layout_transformers_writes_loads(
+    llava_llama, llama_reference, tmp_path, layout
+):
     """The installed transformers saves a processor whole (processor_config.json holds the image
     processor, and there is no preprocessor_config.json); older checkpoints have preprocessor_config.json
     alone. Both load, and give transformers' tokens."""
@@ -409,7 +411,7 @@ def test_a_checkpoint_without_an_image_processor_fails_clearly(llava_llama, tmp_
 
     shutil.copytree(llava_llama, tmp_path / "ckpt")
     (tmp_path / "ckpt" / "preprocessor_config.json").unlink()
-    with pytest.raises(ValueError, match=r"is multimodal but has no image processor \(a preprocessor_config.json"):
+    with pytest.raises(ValueError, match=r"is multimodal but has no image processor \(a preprocessor_config"):
         LLM(model=str(tmp_path / "ckpt"), dtype="float32")
 
 

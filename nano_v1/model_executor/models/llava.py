@@ -99,9 +99,9 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
             self.image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
         except OSError as e:
             raise ValueError(
-                f"model {model_dir!r} is multimodal but has no image processor (a preprocessor_config.json, or "
-                "a processor_config.json with an image_processor): nano_v1 needs the checkpoint's image "
-                f"processor to prepare images. transformers says: {e}"
+                f"model {model_dir!r} is multimodal but has no image processor (a preprocessor_config.json, "
+                "or a processor_config.json with an image_processor): nano_v1 needs the checkpoint's "
+                f"image processor to prepare images. transformers says: {e}"
             ) from None
 
     def get_placeholder_token_id(self, modality: str) -> int:
