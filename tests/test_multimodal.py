@@ -68,11 +68,11 @@ def hf_greedy(
 ) -> list[list[int]]:
     """transformers' greedy tokens for (prompt with one image token per image, images) pairs."""
     import transformers
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    # The class the checkpoint names (transformers 5.17's AutoImageProcessor needs torchvision).
-    config = json.loads((Path(path) / "preprocessor_config.json").read_text())
-    processor = getattr(transformers, config["image_processor_type"]).from_pretrained(path)
+    # From its module: transformers 5.17's top-level AutoImageProcessor is a placeholder needing torchvision.
+    processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
     image_token = image_token_id(path)
     outputs = []
     with torch.no_grad():
@@ -379,12 +379,57 @@ def test_a_text_model_rejects_multi_modal_data(tiny_qwen3):
         )
 
 
+def with_image_processor_layout(src: str, dst: Path, layout: str) -> str:
+    """A copy of LLaVA checkpoint `src` whose image processor is saved in one of transformers' layouts:
+    "processor" (the installed transformers' `LlavaProcessor.save_pretrained`: the image processor
+    inside processor_config.json, and no preprocessor_config.json), or "preprocessor" (the older
+    layout: preprocessor_config.json alone, no processor_config.json)."""
+    import shutil
+
+    import transformers
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+    shutil.copytree(src, dst)
+    image_processor = AutoImageProcessor.from_pretrained(src, local_files_only=True)
+    (dst / "preprocessor_config.json").unlink()
+    if layout == "processor":
+        config = transformers.AutoConfig.from_pretrained(src)
+        transformers.LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=transformers.AutoTokenizer.from_pretrained(src),
+            patch_size=config.vision_config.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            image_token="<image>",
+        ).save_pretrained(dst)
+        assert "image_processor" in json.loads((dst / "processor_config.json").read_text())
+    else:
+        image_processor.save_pretrained(dst)
+        assert not (dst / "processor_config.json").exists()
+    return str(dst)
+
+
+@pytest.mark.parametrize("layout", ["processor", "preprocessor"])
+def test_every_image_processor_layout_transformers_writes_loads(
+    llava_llama, llama_reference, tmp_path, layout
+):
+    """The installed transformers saves a processor whole (processor_config.json holds the image
+    processor, and there is no preprocessor_config.json); older checkpoints have preprocessor_config.json
+    alone. Both load, and give transformers' tokens."""
+    prompts, expected = llama_reference
+    path = with_image_processor_layout(llava_llama, tmp_path / "ckpt", layout)
+    llm = LLM(model=path, dtype="float32")
+    try:
+        assert nano_greedy(llm, prompts[:2])[0] == expected[:2]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_checkpoint_without_an_image_processor_fails_clearly(llava_llama, tmp_path):
     import shutil
 
     shutil.copytree(llava_llama, tmp_path / "ckpt")
     (tmp_path / "ckpt" / "preprocessor_config.json").unlink()
-    with pytest.raises(ValueError, match="is multimodal but has no preprocessor_config.json"):
+    with pytest.raises(ValueError, match=r"is multimodal but has no image processor \(a preprocessor_config"):
         LLM(model=str(tmp_path / "ckpt"), dtype="float32")
 
 

@@ -13,6 +13,7 @@ for the forkserver (a few seconds), later ones take a fraction of a second.
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import os
@@ -506,6 +507,107 @@ def test_engine_core_process_drives_worker_processes(checkpoints, monkeypatch):
     finally:
         llm.llm_engine.shutdown()
     assert wait_until_gone([core_pid, *below], timeout=10.0) == []
+
+
+def mapped_shm_files(pids: list[int]) -> set[str]:
+    """The /dev/shm files (shared memory, named semaphores) that processes `pids` have mapped and
+    that still have a name: what they would leave behind (another process's files are not counted)."""
+    names: set[str] = set()
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            if "/dev/shm/" in line and not line.endswith("(deleted)"):
+                names.add(line.split("/dev/shm/", 1)[1])
+    return names
+
+
+def sigterm_one_thread(pid: int) -> int:
+    """Send SIGTERM to one thread of `pid` other than its main thread (one that does not block it),
+    as the kernel may do with a SIGTERM sent to the process; return that thread's id."""
+    import ctypes
+
+    def blocks_sigterm(tid: int) -> bool:
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        return bool(blocked >> (signal.SIGTERM - 1) & 1)
+
+    tids = sorted(int(task.name) for task in Path(f"/proc/{pid}/task").iterdir())
+    tid = next(tid for tid in tids if tid != pid and not blocks_sigterm(tid))
+    if ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+    return tid
+
+
+def test_engine_core_stops_on_a_sigterm_taken_by_another_thread(checkpoints, monkeypatch):
+    """The client stops the engine-core process with SIGTERM. The kernel may hand it to any
+    thread, and CPython runs the handler only in the main thread, which sleeps on the input
+    queue while idle: the process must still stop its workers and remove its queues' shared
+    memory and semaphores at once (before, it slept on until the client killed it 5 s later,
+    and Python's resource tracker reported them leaked)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = LLM(model=checkpoints["qwen3"], dtype="float32", tensor_parallel_size=2, **SMALL_CACHE)
+    try:
+        greedy(llm, [[1, 2, 3]])
+        core_pid = llm.llm_engine.engine_core.resources.proc.pid
+        below = descendants(core_pid)
+        # Three queues: three shared-memory segments, and two semaphores per reader (2 + 1 + 1 readers).
+        names = mapped_shm_files([core_pid, *below])
+        assert len(names) == 3 + 8, names
+        sigterm_one_thread(core_pid)
+        assert wait_until_gone([core_pid, *below], timeout=3.0) == []
+        assert [name for name in names if Path("/dev/shm", name).exists()] == []
+    finally:
+        llm.llm_engine.shutdown()
+
+
+CLEAN_EXIT_SCRIPT = """
+import os
+import pathlib
+import sys
+
+from nano_v1 import LLM, SamplingParams
+small_cache = {"num_gpu_blocks_override": 64, "max_model_len": 256}
+llm = LLM(model=sys.argv[1], dtype="float32", tensor_parallel_size=2, **small_cache)
+params = SamplingParams(temperature=0.0, max_tokens=4)
+outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+print("tokens", outputs[0].outputs[0].token_ids)
+
+
+def below(pid):
+    tasks = pathlib.Path(f"/proc/{pid}/task").iterdir()
+    children = [int(child) for task in tasks for child in (task / "children").read_text().split()]
+    return children + [grandchild for child in children for grandchild in below(child)]
+
+
+maps = [line for pid in below(os.getpid()) for line in open(f"/proc/{pid}/maps").read().splitlines()]
+names = {line.split("/dev/shm/", 1)[1] for line in maps if "/dev/shm/" in line}
+print("shm files", sorted(name for name in names if not name.endswith("(deleted)")))
+if sys.argv[2] == "shutdown":
+    llm.llm_engine.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "multiprocessing_env, end", [("1", "exit"), ("1", "shutdown"), ("0", "exit")],
+    ids=["engine-core-process", "engine-core-process-shutdown", "in-process"],
+)  # fmt: skip
+def test_a_finished_script_leaves_nothing_behind(checkpoints, tmp_path, multiprocessing_env, end):
+    """`LLM(tensor_parallel_size=2)` in a plain script, which ends by exiting (or by shutting the
+    engine down first): no resource-tracker warning about leaked shared memory or semaphores,
+    and none of the /dev/shm files that its processes had mapped is left."""
+    script = tmp_path / "generate.py"
+    script.write_text(CLEAN_EXIT_SCRIPT)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing_env)
+    result = subprocess.run(
+        [sys.executable, str(script), checkpoints["qwen3"], end],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0 and "tokens [" in result.stdout, result.stdout + result.stderr
+    assert "resource_tracker" not in result.stderr and "leaked" not in result.stderr, result.stderr
+    # What the engine's processes had mapped while it ran: three segments and eight semaphores.
+    names = ast.literal_eval(result.stdout.split("shm files ", 1)[1].splitlines()[0])
+    assert len(names) == 3 + 8, names
+    assert [name for name in names if Path("/dev/shm", name).exists()] == []
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -226,8 +227,9 @@ class EngineCoreProc(EngineCore):
         without shutting it down), but a daemon may not start processes of its own, and with
         tensor parallelism the executor here starts the workers (as vLLM's engine core does).
         So the process clears its own daemon flag; the frontend still treats it as one. A
-        SIGTERM (the client's shutdown) becomes SystemExit, so the workers are stopped and
-        the shared memory removed on the way out.
+        SIGTERM (the client's shutdown) becomes SystemExit in the main thread, even while the
+        loop sleeps (`EngineCoreProc._wake_on_sigterm`), so the workers are stopped and the
+        queues' shared memory and semaphores removed on the way out.
         """
         if parent_conn is not None:
             parent_conn.close()
@@ -241,6 +243,7 @@ class EngineCoreProc(EngineCore):
             # A ValueError (say, a KV cache too small for max_model_len) reaches the user as one.
             conn.send(("FAILED", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
             raise
+        engine_core._wake_on_sigterm()
         conn.send(("READY", vllm_config.cache_config.num_gpu_blocks))
         try:
             engine_core.run_busy_loop()
@@ -252,6 +255,31 @@ class EngineCoreProc(EngineCore):
             raise
         finally:
             engine_core.shutdown()
+
+    def _wake_on_sigterm(self) -> None:
+        """Wake the idle busy loop when a SIGTERM arrives, so that its handler runs.
+
+        CPython's C-level handler only flags a signal; the Python handler runs in the main
+        thread when that thread next runs bytecode. Idle, the main thread sleeps on the input
+        queue, and the signal does not reliably wake it: the kernel may give it to any of our
+        threads, and we measured about one client shutdown in four leave the loop asleep. The
+        client then killed the process 5 s later, before it could stop its workers, and
+        Python's resource tracker reported their shared memory and semaphores as leaked.
+        Whichever thread takes the signal writes its number to the wakeup fd; this thread then
+        puts an empty abort (a no-op) on the input queue, and the woken main thread runs the
+        handler before it handles the abort.
+        """
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        input_queue = self.input_queue
+
+        def wake_on_sigterm() -> None:
+            while signal.SIGTERM not in os.read(read_fd, 64):
+                pass
+            input_queue.put_nowait((EngineCoreRequestType.ABORT, []))
+
+        threading.Thread(target=wake_on_sigterm, daemon=True, name="EngineCoreSigterm").start()
 
     def run_busy_loop(self) -> None:
         """Drain the input queue (blocking only when idle), step, push outputs; forever."""
@@ -337,4 +365,6 @@ class EngineCoreProc(EngineCore):
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM must not cut short the shutdown that the first one starts.
+    signal.signal(signum, signal.SIG_IGN)
     raise SystemExit(f"terminated by signal {signum}")

@@ -21,15 +21,13 @@ transformers 4.52+, and llava-hf's (`vision_tower.vision_model.`) all load.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from nano_v1.model_executor.layers.activation import get_act_fn
 from nano_v1.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -91,20 +89,20 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
 
     def __init__(self, info: LlavaProcessingInfo) -> None:
         super().__init__(info)
-        model_dir = Path(info.model_config.model)
-        if not (model_dir / "preprocessor_config.json").is_file():
-            raise ValueError(
-                f"model {str(model_dir)!r} is multimodal but has no preprocessor_config.json: nano_v1 "
-                "needs the checkpoint's image processor to prepare images."
-            )
-        # Without torchvision, transformers picks the PIL implementation (CLIPImageProcessorPil).
+        model_dir = str(info.model_config.model)
+        # transformers' own loading reads every layout it writes: `preprocessor_config.json`,
+        # or (a processor saved whole, as `processor.save_pretrained` does since transformers 5)
+        # the `image_processor` entry of `processor_config.json`. Without torchvision it picks the
+        # PIL implementation (CLIPImageProcessorPil). Imported from its module because transformers
+        # 5.17 exports a placeholder under `transformers.AutoImageProcessor` that demands torchvision.
         try:
-            self.image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-        except ImportError:
-            # transformers 5.17 (the GPU image's, which has no torchvision) makes AutoImageProcessor
-            # itself need torchvision; the class the checkpoint names falls back to PIL there.
-            name = json.loads((model_dir / "preprocessor_config.json").read_text())["image_processor_type"]
-            self.image_processor = getattr(transformers, name).from_pretrained(model_dir)
+            self.image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        except OSError as e:
+            raise ValueError(
+                f"model {model_dir!r} is multimodal but has no image processor (a preprocessor_config.json, "
+                "or a processor_config.json with an image_processor): nano_v1 needs the checkpoint's "
+                f"image processor to prepare images. transformers says: {e}"
+            ) from None
 
     def get_placeholder_token_id(self, modality: str) -> int:
         return self.info.get_hf_config().image_token_index
@@ -118,7 +116,7 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
         if tuple(pixel_values.shape[-2:]) != (image_size, image_size):
             raise ValueError(
                 f"the checkpoint's image processor makes {tuple(pixel_values.shape[-2:])} images, but its "
-                f"vision tower takes {image_size}x{image_size}: preprocessor_config.json does not fit config.json."
+                f"vision tower takes {image_size}x{image_size}: its image processor does not fit config.json."
             )
         return [{"pixel_values": image} for image in pixel_values]  # each [3, image_size, image_size]
 
