@@ -20,6 +20,7 @@ import pytest
 from conftest import make_scheduler, make_tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_engine_core_proc import LoopOnlyCore, start_input_loop, wait
 from test_scheduler import FakeModelRunner, make_requests, reference_output
 
 from nano_v1 import LLM, SamplingParams
@@ -480,6 +481,16 @@ def test_async_scheduling_with_the_engine_core_in_its_own_process(sync_and_async
             )
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_an_idle_core_with_a_step_in_flight_does_not_wait_for_input():
+    """The step in flight must be collected (its stats, the requests' last tokens): the busy
+    loop goes on to `step_with_batch_queue` instead of blocking on the input queue."""
+    core = LoopOnlyCore()
+    core.batch_queue = deque([("a future", "its scheduler output")])
+    loop, errors = start_input_loop(core)
+    wait(loop, errors, 5)
+    assert not loop.is_alive(), "the core waited for input with a step in flight"
 
 
 @pytest.mark.slow
