@@ -29,6 +29,7 @@ from nano_v1.core.sched.async_scheduler import AsyncScheduler
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import UniProcExecutor
 from nano_v1.executor.multiproc_executor import MultiprocExecutor
 from nano_v1.outputs import ModelRunnerOutput
@@ -491,6 +492,19 @@ def test_an_idle_core_with_a_step_in_flight_does_not_wait_for_input():
     loop, errors = start_input_loop(core)
     wait(loop, errors, 5)
     assert not loop.is_alive(), "the core waited for input with a step in flight"
+
+
+def test_a_worker_error_reaches_the_engine_through_the_output_thread():
+    """Fail-stop is kept: the worker's error is sent by its output thread before the
+    process exits, and the engine is dead from then on."""
+    llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
+    try:
+        with pytest.raises(EngineDeadError, match="worker rank 0 failed in no_such_method: AttributeError"):
+            llm.collective_rpc("no_such_method")
+        with pytest.raises(EngineDeadError):
+            llm.generate(prompts_with_a_shared_prefix(2), SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
 
 
 @pytest.mark.slow
