@@ -163,14 +163,15 @@ class EngineCore:
         for the oldest step only if nothing more can be launched (chapter 14).
 
         Returns the outputs of the step it waited for, or None when it only launched one:
-        the queue had room, and the step before is still running. A step that schedules
-        nothing (only finished requests to report) is not left in flight: it waits.
+        the queue had room, and the step before is still running. It schedules while the
+        scheduler `has_requests()`, finished ones not yet reported to the runner included
+        (then the step is empty, and it waits rather than leave that in flight).
         Speculative decoding is refused with async scheduling, so there are no drafts to
         take (`post_step`).
         """
         batch_queue = self.batch_queue
         assert batch_queue is not None and len(batch_queue) < self.batch_queue_size
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
             future = self.model_executor.execute_model(scheduler_output, non_block=True)
             batch_queue.appendleft((future, scheduler_output))

@@ -80,3 +80,11 @@ def state_fields(scheduler) -> dict:
         "num_free_blocks": manager.block_pool.get_num_free_blocks(),
         "free_block_queue": [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()],
     }
+
+
+def placeholder_fields(scheduler) -> dict:
+    """Async scheduling's own state (chapter 14): each live request's tokens still on their way."""
+    live = [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
+    return {
+        "num_output_placeholders": {rid: scheduler.requests[rid].num_output_placeholders for rid in live}
+    }

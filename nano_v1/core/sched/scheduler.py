@@ -133,6 +133,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose ids the runner has not been sent yet
+        (`finished_req_ids`, carried by the next step): what the batch-queue loop schedules for."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids)
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         scheduled_new_reqs: list[Request] = []
