@@ -24,12 +24,19 @@ import pytest
 from conftest import make_scheduler, make_tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_cli import run_cli
 from test_engine_core_proc import LoopOnlyCore, start_input_loop, wait
 from test_scheduler import FakeModelRunner, make_requests, reference_output
 from test_vllm_traces import STATE_FIELDS, compare
 from test_vllm_traces import build_scheduler as build_trace_scheduler
 from test_vllm_traces import make_request as make_trace_request
-from vllm_v0_11_0.trace_fields import output_fields, placeholder_fields, schedule_fields, state_fields
+from vllm_v0_11_0.trace_fields import (
+    PendingOutput,
+    output_fields,
+    placeholder_fields,
+    schedule_fields,
+    state_fields,
+)
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
@@ -366,19 +373,6 @@ ASYNC_TRACES = Path(__file__).parent / "vllm_v0_11_0" / "traces" / "async"
 ASYNC_WORKLOADS = sorted(path.stem for path in ASYNC_TRACES.glob("*.json"))
 
 
-class PendingOutput:
-    """A step's output in the batch queue, as the recorder's: not done before it is waited for."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
-
-    def done(self) -> bool:
-        return False
-
-    def result(self) -> ModelRunnerOutput:
-        return self.output
-
-
 class TraceExecutor:
     """Hands back, for the step scheduled in the current trace step, the recorded model output."""
 
@@ -471,6 +465,16 @@ def test_async_scheduling_flag_defaults_to_the_multiprocess_executor():
     explicit = EngineArgs(async_scheduling=True, distributed_executor_backend="uni")
     assert explicit.create_engine_config().parallel_config.distributed_executor_backend == "uni"
     assert EngineArgs().create_engine_config().parallel_config.distributed_executor_backend == "uni"
+
+
+def test_cli_generate_and_serve_take_the_flag():
+    """`nano-v1 generate --async-scheduling` prints what the synchronous engine prints."""
+    serve_help = run_cli("serve", "--help")
+    assert serve_help.returncode == 0 and "--async-scheduling" in serve_help.stdout
+    args = ("generate", "def fibonacci(n):", "--max-tokens", "12", "--temperature", "0")
+    synchronous, asynchronous = run_cli(*args), run_cli(*args, "--async-scheduling")
+    assert synchronous.returncode == asynchronous.returncode == 0, asynchronous.stderr
+    assert asynchronous.stdout == synchronous.stdout
 
 
 def test_async_scheduling_refuses_speculative_decoding():

@@ -68,7 +68,7 @@ import vllm.platforms
 vllm.platforms.builtin_platform_plugins["cpu"] = lambda: "vllm.platforms.cpu.CpuPlatform"
 
 import torch
-from trace_fields import output_fields, placeholder_fields, schedule_fields, state_fields
+from trace_fields import PendingOutput, output_fields, placeholder_fields, schedule_fields, state_fields
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -555,20 +555,6 @@ ASYNC_WORKLOADS = [
     for name, workload in WORKLOADS.items()
     if not workload.config.get("num_spec_tokens", 0) and name != "priority_preempt_scheduled"
 ]
-
-
-class PendingOutput:
-    """A step's output in the batch queue: never done before the engine waits for it, so
-    every step is scheduled while the one before it runs (a device slower than the host)."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
-
-    def done(self) -> bool:
-        return False
-
-    def result(self) -> ModelRunnerOutput:
-        return self.output
 
 
 class FakeExecutor:

@@ -24,9 +24,22 @@ flight (a stop token, `max_tokens`, an abort) is forgotten by then, and that ste
 token is dropped by `update_from_output`; a request preempted with a step in flight gets
 that step's (real) token when it arrives, and is cached again from scratch when resumed.
 
+What runs where: the engine core schedules and updates in its process while the worker
+runs the step in its own (the multiprocess executor, the default with async scheduling;
+with the worker in the engine core's process each step has run by the time it is
+queued, and nothing overlaps, as in v0.11.0). The worker sends each answer from an output
+thread (`WorkerProc.async_output_busy_loop`), so sending step N's output overlaps step
+N + 1. The same code runs on the CPU and on CUDA.
+
 What differs from v0.11.0: nothing in this class. The placeholders enter the scheduler's
 token count in `Scheduler._get_num_new_tokens` (v0.11.0 adds them in the running pass
-only; a waiting request never has any, which the tests check).
+only; a waiting request never has any, which the tests check). Left out: on CUDA,
+v0.11.0's model runner also avoids waiting for the sampled tokens within the step: it
+copies them to the host on a side stream (`AsyncGPUModelRunnerOutput`, waited for in the
+output thread) and feeds them to the next step from the device (`prev_sampled_token_ids`
+in `_prepare_input_ids`). nano_v1's runner copies them within the step on every device,
+so the worker's own input preparation does not overlap the forward; the engine core's
+scheduling and output handling do.
 """
 
 from __future__ import annotations
