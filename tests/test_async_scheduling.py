@@ -104,7 +104,11 @@ class AsyncFakeModelRunner(FakeModelRunner):
 
 
 def run_async_workload(
-    sched: AsyncScheduler, requests: list[Request], abort_prob: float, rng: random.Random, max_steps: int = 5000
+    sched: AsyncScheduler,
+    requests: list[Request],
+    abort_prob: float,
+    rng: random.Random,
+    max_steps: int = 5000,
 ) -> tuple[dict[str, list[int]], set[str]]:
     """Run as step_with_batch_queue does, with a batch queue of 2. The fake runner runs each
     step when it is scheduled (a worker runs the steps in the order they are sent); the
@@ -134,7 +138,11 @@ def run_async_workload(
             check_placeholders(sched, len(batch_queue) + 1)
             check_cached_blocks_hold_real_tokens(sched)
             batch_queue.appendleft((runner.execute_model(scheduler_output), scheduler_output))
-            if scheduler_output.total_num_scheduled_tokens > 0 and len(batch_queue) < 2 and rng.random() < 0.8:
+            if (
+                scheduler_output.total_num_scheduled_tokens > 0
+                and len(batch_queue) < 2
+                and rng.random() < 0.8
+            ):
                 continue
         elif not batch_queue:
             continue
@@ -161,7 +169,9 @@ def run_async_workload(
     abort_prob=st.sampled_from([0.0, 0.1]),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
-def test_async_scheduler_invariants_and_outputs(seed, block_size, budget, max_seqs, caching, abort_prob, policy):
+def test_async_scheduler_invariants_and_outputs(
+    seed, block_size, budget, max_seqs, caching, abort_prob, policy
+):
     """Chunked prefill, preemption (small pools), prefix caching and aborts, with steps in
     flight: every request that is not aborted gets exactly the model's continuation."""
     rng = random.Random(seed)
@@ -500,7 +510,10 @@ def prompts_with_a_shared_prefix(n: int = 8, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 4096) for _ in range(2 * BLOCK_SIZE)]
     return [
-        {"prompt_token_ids": prefix[: rng.choice([0, BLOCK_SIZE, 2 * BLOCK_SIZE])] + [rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))]}
+        {
+            "prompt_token_ids": prefix[: rng.choice([0, BLOCK_SIZE, 2 * BLOCK_SIZE])]
+            + [rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))]
+        }
         for _ in range(n)
     ]
 
@@ -576,7 +589,9 @@ def test_async_scheduling_changes_no_output(sync_and_async_llms, monkeypatch, pa
     if not params.stop:
         assert preempted, "the cache was meant to be too small for the batch"
     if params.stop:  # requests stop early, and then fit
-        assert any(c.finish_reason == "stop" and isinstance(c.stop_reason, str) for o in got for c in o.outputs)
+        assert any(
+            c.finish_reason == "stop" and isinstance(c.stop_reason, str) for o in got for c in o.outputs
+        )
 
 
 def test_async_scheduling_with_the_engine_core_in_its_own_process(sync_and_async_llms, monkeypatch):
@@ -626,7 +641,7 @@ def test_async_scheduling_with_tensor_parallelism(tmp_path):
     for p in prompts:
         p["prompt_token_ids"] = [t % 512 for t in p["prompt_token_ids"]]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    kwargs = dict(ENGINE_KWARGS, model=path)
+    kwargs = {**ENGINE_KWARGS, "model": path}
     expected = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
     llm = LLM(**kwargs, tensor_parallel_size=2, async_scheduling=True)
     try:

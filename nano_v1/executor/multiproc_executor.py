@@ -170,7 +170,9 @@ class MultiprocExecutor(Executor):
             if non_block:
                 raise RuntimeError("non_block can only be used when max_concurrent_batches > 1")
             return [self._get_response(handle, method, deadline) for handle in repliers]
-        futures = [self.io_thread_pool.submit(self._get_response, handle, method, deadline) for handle in repliers]
+        futures = [
+            self.io_thread_pool.submit(self._get_response, handle, method, deadline) for handle in repliers
+        ]
         return futures if non_block else [future.result() for future in futures]
 
     def _call_error(self, method: RpcMethod, error: QueueCancelledError | TimeoutError) -> Exception:
@@ -283,7 +285,9 @@ class WorkerProc:
         self.use_async_scheduling = vllm_config.scheduler_config.async_scheduling
         if self.use_async_scheduling:
             self.async_output_queue: queue.Queue[tuple[WorkerProc.ResponseStatus, Any]] = queue.Queue()
-            threading.Thread(target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutputCopy").start()
+            threading.Thread(
+                target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutputCopy"
+            ).start()
         self.worker = Worker(vllm_config, local_rank, rank, distributed_init_method)
         self.worker.init_device()  # joins the other ranks: every worker must be starting at once
         self.worker.load_model()  # this rank's shard of every weight

@@ -607,7 +607,13 @@ def record_async(name: str, model_dir: str) -> dict:
     config = dict(DEFAULT_CONFIG, **workload.config)
     requests = [
         dict(
-            {"eos_token_id": NEVER_EOS, "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0, "priority": 0},
+            {
+                "eos_token_id": NEVER_EOS,
+                "stop_token_ids": [],
+                "ignore_eos": False,
+                "min_tokens": 0,
+                "priority": 0,
+            },
             **spec,
             arrival_time=float(i),
         )

@@ -86,9 +86,7 @@ def state_fields(scheduler) -> dict:
 def placeholder_fields(scheduler) -> dict:
     """Async scheduling's own state (chapter 14): each live request's tokens still on their way."""
     live = [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
-    return {
-        "num_output_placeholders": {rid: scheduler.requests[rid].num_output_placeholders for rid in live}
-    }
+    return {"num_output_placeholders": {rid: scheduler.requests[rid].num_output_placeholders for rid in live}}
 
 
 class PendingOutput:

@@ -502,7 +502,9 @@ class Scheduler:
             self.waiting.remove_requests(stopped_preempted)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_decoding_stats))
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
         """Append the sampled tokens one by one, stopping at the first that finishes the
         request; return the tokens kept and whether it finished."""
         for num_kept, token_id in enumerate(new_token_ids, start=1):
