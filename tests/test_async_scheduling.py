@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -621,9 +622,14 @@ def test_an_idle_core_with_a_step_in_flight_does_not_wait_for_input():
     assert not loop.is_alive(), "the core waited for input with a step in flight"
 
 
+def io_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name.startswith("mp_exec_io")}
+
+
 def test_a_worker_error_reaches_the_engine_through_the_output_thread():
     """Fail-stop is kept: the worker's error is sent by its output thread before the
-    process exits, and the engine is dead from then on."""
+    process exits, and the engine is dead from then on; shutdown ends the executor's IO thread."""
+    before = io_threads()
     llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
     try:
         with pytest.raises(EngineDeadError, match="worker rank 0 failed in no_such_method: AttributeError"):
@@ -632,6 +638,9 @@ def test_a_worker_error_reaches_the_engine_through_the_output_thread():
             llm.generate(prompts_with_a_shared_prefix(2), SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+    for thread in io_threads() - before:
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the executor's IO thread outlived its shutdown"
 
 
 @pytest.mark.slow

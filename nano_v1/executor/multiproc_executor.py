@@ -79,6 +79,9 @@ class MultiprocExecutor(Executor):
         self.failure_reason: str | None = None  # set when the executor fails for good
         self._fail_lock = threading.Lock()
         self.failure_callback: FailureCallback | None = None
+        # With steps in flight (async scheduling, chapter 14), one thread reads every answer,
+        # so that they are taken in the order the calls were sent; made once the workers are up.
+        self.io_thread_pool: ThreadPoolExecutor | None = None
         # A ring of 8 chunks of 1 MiB: a SchedulerOutput larger than a chunk spans several.
         self.rpc_broadcast_mq = MessageQueue(self.world_size)
         self.workers: list[WorkerProcHandle] = []
@@ -102,9 +105,6 @@ class MultiprocExecutor(Executor):
             self.shutdown()  # no worker outlives a failed start
             raise
         self.start_worker_monitor()
-        # With steps in flight (async scheduling, chapter 14), one thread reads every answer,
-        # so that they are taken in the order the calls were sent.
-        self.io_thread_pool: ThreadPoolExecutor | None = None
         if self.max_concurrent_batches > 1:
             self.io_thread_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp_exec_io")
 
@@ -223,6 +223,8 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop the workers and remove the queues' shared memory (idempotent)."""
         self._finalizer()
+        if self.io_thread_pool is not None:  # the wait it may be in was cancelled just now
+            self.io_thread_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _shutdown(
