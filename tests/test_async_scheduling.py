@@ -21,10 +21,13 @@ import threading
 from collections import deque
 from pathlib import Path
 
+import openai
 import pytest
 from conftest import make_scheduler, make_tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_utils import BackgroundServer
+from test_api_server import stream_completion, wait_until_idle
 from test_cli import run_cli
 from test_engine_core_proc import LoopOnlyCore, start_input_loop, wait
 from test_scheduler import FakeModelRunner, make_requests, reference_output
@@ -620,6 +623,28 @@ def test_an_idle_core_with_a_step_in_flight_does_not_wait_for_input():
     loop, errors = start_input_loop(core)
     wait(loop, errors, 5)
     assert not loop.is_alive(), "the core waited for input with a step in flight"
+
+
+def test_the_streaming_server_with_async_scheduling(sync_and_async_llms):
+    """The OpenAI server (its engine core in a process of its own, the worker in another)
+    streams what the synchronous engine generates, stop strings included, and every KV
+    block is free again once the requests are done."""
+    sync, _ = sync_and_async_llms
+    server = BackgroundServer(EngineArgs(**ENGINE_KWARGS, async_scheduling=True))
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        for prompt, stop in [
+            ("def fibonacci(n):\n", []),
+            ("import os\n", ["e", " t"]),
+            ("class Stack:\n", []),
+        ]:
+            params = SamplingParams(temperature=0.0, max_tokens=24, stop=stop)
+            expected = sync.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            got = stream_completion(client, prompt=prompt, max_tokens=24, temperature=0.0, stop=stop)
+            assert got == ({0: expected.text}, {0: expected.finish_reason})
+        wait_until_idle(server, within_s=10)
+    finally:
+        server.stop()
 
 
 def io_threads() -> set[threading.Thread]:
