@@ -77,6 +77,11 @@ class Request:
         # Draft tokens proposed for the next step (speculative decoding, chapter 10).
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Async scheduling (chapter 14): tokens scheduled in steps still running, whose
+        # samples have not come back. They count as known to the scheduler (the next step
+        # can be scheduled on them), never as tokens of the request: 0 under the
+        # synchronous scheduler.
+        self.num_output_placeholders = 0
         # Prompt tokens served from the prefix cache on first admission; None until then
         # (an admitted request, the only kind that has outputs, always has a count).
         self.num_cached_tokens: int | None = None

@@ -619,7 +619,7 @@ MUTANTS: dict[str, list[Mutant]] = {
         Mutant(
             "idle_core_spins",
             "returns at once when idle, so the busy loop spins on an empty scheduler",
-            old="        while not self.scheduler.has_unfinished_requests():\n",
+            old="        while not self.scheduler.has_unfinished_requests() and not self.batch_queue:\n",
             new="        while False:\n",
         ),
         Mutant(

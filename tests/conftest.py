@@ -107,14 +107,17 @@ def make_vllm_config(model: str, device: str = "cpu", **engine_args) -> VllmConf
 def make_scheduler(
     num_blocks, block_size, budget, max_seqs, max_model_len, caching,
     chunked=True, policy="fcfs", num_spec_tokens=0, reserve_full_isl=False, kv_cache_config=None,
+    async_scheduling=False,
 ) -> Scheduler:  # fmt: skip
     """A scheduler over `num_blocks` KV blocks (block 0 is the null block), with no checkpoint.
 
-    One full-attention KV cache group unless the test brings its own `kv_cache_config` (chapter 12).
+    One full-attention KV cache group unless the test brings its own `kv_cache_config` (chapter 12);
+    an `AsyncScheduler` with `async_scheduling` (chapter 14).
     """
     from kv_cache_configs import full_attention_kv_cache_config
 
     from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from nano_v1.core.sched.async_scheduler import AsyncScheduler
     from nano_v1.core.sched.scheduler import Scheduler
 
     config = VllmConfig.__new__(VllmConfig)
@@ -127,6 +130,7 @@ def make_scheduler(
         enable_chunked_prefill=chunked,
         policy=policy,
         scheduler_reserve_full_isl=reserve_full_isl,
+        async_scheduling=async_scheduling,
     )
     # The scheduler reads only max_model_len and whether the model takes images (chapter 11)
     # from the model's config: no checkpoint needed.
@@ -136,7 +140,8 @@ def make_scheduler(
         config.speculative_config = SpeculativeConfig(
             num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1
         )
-    return Scheduler(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_cls(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
 
 
 def make_sampling_metadata(

@@ -190,6 +190,7 @@ class QueueOnlyCore(EngineCoreProc):
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.scheduler = types.SimpleNamespace(has_unfinished_requests=lambda: bool(self.added))
+        self.batch_queue = None  # no step in flight (chapter 14)
 
     def add_request(self, request) -> None:
         self.added.append(request)

@@ -314,6 +314,7 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "Scheduler.has_unfinished_requests": (
             "v0.11.0 has it on SchedulerInterface (vllm/v1/core/sched/interface.py)"
         ),
+        "Scheduler.has_requests": "v0.11.0 has it on SchedulerInterface (vllm/v1/core/sched/interface.py)",
     },
     "nano_v1/cudagraph_dispatcher.py": {
         "CudagraphDispatcher.get_capture_descriptors": (

@@ -28,6 +28,7 @@ from vllm_v0_11_0.trace_fields import output_fields, schedule_fields, state_fiel
 
 from nano_v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
+from nano_v1.core.sched.async_scheduler import AsyncScheduler
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
@@ -126,8 +127,9 @@ def load(workload: str) -> dict:
     return json.loads((TRACES / f"{workload}.json").read_text())
 
 
-def build_scheduler(config: dict) -> Scheduler:
-    """nano_v1's scheduler with the trace's config (no checkpoint: only max_model_len and is_multimodal_model are read)."""
+def build_scheduler(config: dict, async_scheduling: bool = False) -> Scheduler:
+    """nano_v1's scheduler with the trace's config (no checkpoint: only max_model_len and is_multimodal_model are read);
+    an `AsyncScheduler` with `async_scheduling` (chapter 14)."""
     vllm_config = VllmConfig.__new__(VllmConfig)
     vllm_config.cache_config = CacheConfig(
         block_size=config["block_size"],
@@ -140,6 +142,7 @@ def build_scheduler(config: dict) -> Scheduler:
         enable_chunked_prefill=config["enable_chunked_prefill"],
         long_prefill_token_threshold=config["long_prefill_token_threshold"],
         policy=config["policy"],
+        async_scheduling=async_scheduling,
     )
     vllm_config.model_config = types.SimpleNamespace(
         max_model_len=config["max_model_len"], is_multimodal_model=False
@@ -149,7 +152,7 @@ def build_scheduler(config: dict) -> Scheduler:
         if config["num_spec_tokens"]
         else None
     )
-    return Scheduler(
+    return (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config, full_attention_kv_cache_config(config["num_gpu_blocks"], config["block_size"])
     )
 

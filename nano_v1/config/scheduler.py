@@ -45,6 +45,9 @@ class SchedulerConfig:
     or one image's tokens if more; 0 for a text-only model. vLLM v0.11.0 fixes it to that default."""
     disable_chunked_mm_input: bool = False
     """Never split an image's positions across steps: a chunk that would end inside an image stops before it."""
+    async_scheduling: bool = False
+    """Schedule step N + 1 while step N runs, so the scheduler's host time hides behind the model (chapter 14).
+    Needs the multiprocess executor to overlap (the default with it); refuses speculative decoding."""
 
     def __post_init__(self) -> None:
         check_positive_int("max_num_seqs", self.max_num_seqs)

@@ -199,6 +199,11 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
         # END TASK
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the blocks that the request's first `num_computed_tokens` (final) tokens fill, if caching."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group (finished, aborted or preempted) and forget it."""
         self.coordinator.free(request.request_id)

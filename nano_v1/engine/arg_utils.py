@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from nano_v1.config import (
     VllmConfig,
 )
 from nano_v1.config.utils import CONFIG, CONFIG_FIELD, get_attr_docs, get_field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = get_field(SchedulerConfig, "max_num_encoder_input_tokens")
     encoder_cache_size: int | None = get_field(SchedulerConfig, "encoder_cache_size")
     disable_chunked_mm_input: bool = get_field(SchedulerConfig, "disable_chunked_mm_input")
+    async_scheduling: bool = get_field(SchedulerConfig, "async_scheduling")
     # Whole configs, each given at once (a dict, or JSON on the CLI); the help is the flag's own.
     compilation_config: CompilationConfig | dict | int | str | None = field(
         default=None,
@@ -137,13 +141,25 @@ class EngineArgs:
         }
 
     def create_engine_config(self) -> VllmConfig:
-        """Build and check every slice; `VllmConfig` settles what depends on several of them."""
+        """Build and check every slice; `VllmConfig` settles what depends on several of them.
+
+        Async scheduling (chapter 14) makes the multiprocess executor the default backend,
+        and refuses speculative decoding, as v0.11.0 does here.
+        """
+        parallel_kwargs = self.config_kwargs(ParallelConfig)
+        if self.async_scheduling:
+            if self.distributed_executor_backend is None:
+                # With the worker in this process, a step would run inside execute_model.
+                parallel_kwargs["distributed_executor_backend"] = "mp"
+                logger.info("Defaulting to mp-based distributed executor backend for async scheduling.")
+            if self.speculative_config is not None:
+                raise ValueError("Currently, speculative decoding is not supported with async scheduling.")
         return VllmConfig(
             model_config=ModelConfig(**self.config_kwargs(ModelConfig)),
             cache_config=CacheConfig(**self.config_kwargs(CacheConfig)),
             scheduler_config=SchedulerConfig(**self.config_kwargs(SchedulerConfig)),
             device_config=DeviceConfig(**self.config_kwargs(DeviceConfig)),
-            parallel_config=ParallelConfig(**self.config_kwargs(ParallelConfig)),
+            parallel_config=ParallelConfig(**parallel_kwargs),
             compilation_config=CompilationConfig.from_arg(self.compilation_config),
             speculative_config=None
             if self.speculative_config is None

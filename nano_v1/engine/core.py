@@ -1,6 +1,6 @@
 """The engine core: scheduler + executor, and the step that joins them.
 
-Mirrors vllm/v1/engine/core.py (chapters 02, 04, 09 and 13).
+Mirrors vllm/v1/engine/core.py (chapters 02, 04, 09, 13 and 14).
 
 Why it is this small: everything clever lives in the scheduler (what to run) and the
 model runner (how to run it). One `step()` is schedule -> execute -> update, and data
@@ -10,6 +10,13 @@ process, or one worker process per tensor-parallel rank.
 Chapter 09 wraps this class in a process with a busy loop (`EngineCoreProc`): two IO
 threads move messages between ZMQ sockets and in-process queues, so that socket and
 (de)serialization work overlaps the model, and the busy loop touches only queues.
+Chapter 14 overlaps the scheduler with the model too: with async scheduling the
+executor runs two steps at once (`max_concurrent_batches`), and `step_with_batch_queue`
+schedules step N + 1 while step N runs (`AsyncScheduler`).
+
+What differs from v0.11.0: `step` returns the outputs alone and takes the drafts itself
+(`post_step`); `step_with_batch_queue` returns the outputs or None (v0.11.0: a pair with
+whether the model ran, for `post_step`, which async scheduling never needs).
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,6 +43,8 @@ from nano_v1.core.kv_cache_utils import (
     get_num_blocks_per_request,
     get_request_block_hasher,
 )
+from nano_v1.core.sched.async_scheduler import AsyncScheduler
+from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine import (
     EngineCoreOutputs,
@@ -44,6 +55,7 @@ from nano_v1.engine import (
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor import Executor
 from nano_v1.kv_cache_interface import KVCacheConfig
+from nano_v1.outputs import ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.utils import exit_when_parent_dies, make_zmq_socket
 
@@ -60,7 +72,18 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()  # no worker process outlives a failed start
             raise
-        self.scheduler = Scheduler(vllm_config, kv_cache_config)
+        scheduler_cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+        self.scheduler: Scheduler = scheduler_cls(vllm_config, kv_cache_config)
+        # Steps in flight at once (chapter 14): with more than one, `step_with_batch_queue`
+        # schedules the next step before the last one's output is back.
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] | None = None
+        if self.batch_queue_size > 1:
+            logger.info("Batch queue is enabled with size %d", self.batch_queue_size)
+            self.batch_queue = deque(maxlen=self.batch_queue_size)
+        self.step_fn: Callable[[], EngineCoreOutputs | None] = (
+            self.step if self.batch_queue is None else self.step_with_batch_queue
+        )
         cache_config = vllm_config.cache_config
         self.request_block_hasher = (
             get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None
@@ -135,6 +158,31 @@ class EngineCore:
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.post_step(model_executed=scheduler_output.total_num_scheduled_tokens > 0)
         return engine_core_outputs
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        """Schedule and launch a step without waiting for it, if the queue has room; then wait
+        for the oldest step only if nothing more can be launched (chapter 14).
+
+        Returns the outputs of the step it waited for, or None when it only launched one:
+        the queue had room, and the step before is still running. It schedules while the
+        scheduler `has_requests()`, finished ones not yet reported to the runner included
+        (then the step is empty, and it waits rather than leave that in flight).
+        Speculative decoding is refused with async scheduling, so there are no drafts to
+        take (`post_step`).
+        """
+        batch_queue = self.batch_queue
+        assert batch_queue is not None and len(batch_queue) < self.batch_queue_size
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            future = self.model_executor.execute_model(scheduler_output, non_block=True)
+            batch_queue.appendleft((future, scheduler_output))
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            if model_executed and len(batch_queue) < self.batch_queue_size and not batch_queue[-1][0].done():
+                return None
+        elif not batch_queue:
+            return None
+        future, scheduler_output = batch_queue.pop()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
 
     def post_step(self, model_executed: bool) -> None:
         """Give the scheduler the drafts proposed during the step (speculative decoding, chapter 10).
@@ -290,17 +338,19 @@ class EngineCoreProc(EngineCore):
     def _process_input_queue(self) -> None:
         # BEGIN TASK ch09_t1: idle, wait for work without spinning; busy, take all that is queued, never wait
         # Idle: block until a request arrives (no spinning). Busy: take what is there, don't wait.
-        while not self.scheduler.has_unfinished_requests():
+        # A step still in flight (chapter 14) is work: its output must be collected.
+        while not self.scheduler.has_unfinished_requests() and not self.batch_queue:
             self._handle_client_request(*self.input_queue.get())
         while not self.input_queue.empty():
             self._handle_client_request(*self.input_queue.get_nowait())
         # END TASK
 
     def _process_engine_step(self) -> None:
-        outputs = self.step()
+        outputs = self.step_fn()
         # A prefill chunk that samples nothing has nothing to say, unless the step has
-        # statistics: those must reach the frontend too (as in vLLM).
-        if outputs.outputs or outputs.scheduler_stats is not None:
+        # statistics: those must reach the frontend too (as in vLLM). None: a step was
+        # only launched (chapter 14).
+        if outputs is not None and (outputs.outputs or outputs.scheduler_stats is not None):
             self.output_queue.put_nowait(outputs)
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:

@@ -96,7 +96,8 @@ class InprocClient(EngineCoreClient):
         self.engine_core.add_request(request)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        outputs = self.engine_core.step_fn()
+        return EngineCoreOutputs() if outputs is None else outputs
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

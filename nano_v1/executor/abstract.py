@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -90,9 +92,27 @@ class Executor:
         self.collective_rpc("initialize_from_config", args=(kv_cache_configs[0],))
         self.collective_rpc("compile_or_warm_up_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; rank 0's output stands for all (they sample the same tokens)."""
-        return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may have in flight at once: its batch queue's size (chapter 14)."""
+        return 1
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every rank; rank 0's output stands for all (they sample the same tokens).
+
+        `non_block`: return a `Future` of the output (`EngineCore.step_with_batch_queue`).
+        Here the step has run by then: the future is done, holding the output or the error.
+        """
+        if not non_block:
+            return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.collective_rpc("execute_model", args=(scheduler_output,))[0])
+        except Exception as e:  # noqa: BLE001  (the caller meets it at future.result())
+            future.set_exception(e)
+        return future
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.collective_rpc("take_draft_token_ids")[0]
@@ -124,6 +144,12 @@ class UniProcExecutor(Executor):
         self, method: RpcMethod, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:  # fmt: skip
         return [run_method(self.driver_worker, method, args, kwargs or {})]
+
+    @cached_property
+    def max_concurrent_batches(self) -> int:
+        """2 with async scheduling, as in v0.11.0, though each step has run when `execute_model`
+        returns: the worker shares this process, so nothing overlaps (chapter 14)."""
+        return 2 if self.vllm_config.scheduler_config.async_scheduling else 1
 
     def check_health(self) -> None:
         """Always healthy: the worker lives and dies with this process."""

@@ -28,11 +28,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import queue
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -76,6 +79,9 @@ class MultiprocExecutor(Executor):
         self.failure_reason: str | None = None  # set when the executor fails for good
         self._fail_lock = threading.Lock()
         self.failure_callback: FailureCallback | None = None
+        # With steps in flight (async scheduling, chapter 14), one thread reads every answer,
+        # so that they are taken in the order the calls were sent; made once the workers are up.
+        self.io_thread_pool: ThreadPoolExecutor | None = None
         # A ring of 8 chunks of 1 MiB: a SchedulerOutput larger than a chunk spans several.
         self.rpc_broadcast_mq = MessageQueue(self.world_size)
         self.workers: list[WorkerProcHandle] = []
@@ -99,6 +105,13 @@ class MultiprocExecutor(Executor):
             self.shutdown()  # no worker outlives a failed start
             raise
         self.start_worker_monitor()
+        if self.max_concurrent_batches > 1:
+            self.io_thread_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp_exec_io")
+
+    @cached_property
+    def max_concurrent_batches(self) -> int:
+        """2 with async scheduling: step N + 1 is sent while step N runs (chapter 14)."""
+        return 2 if self.vllm_config.scheduler_config.async_scheduling else 1
 
     def start_worker_monitor(self) -> None:
         """A thread that waits on every worker's sentinel and fails the executor when one dies."""
@@ -138,30 +151,44 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(
         self, method: RpcMethod, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None,
-        unique_reply_rank: int | None = None,
+        unique_reply_rank: int | None = None, non_block: bool = False,
     ) -> list[Any]:  # fmt: skip
         """Broadcast one call to every worker; wait (up to `timeout` s) for the answers of every
         rank, or of `unique_reply_rank` alone. A function `method` travels by reference
-        (pickle), so it must be importable by name: a module-level function, not a lambda."""
+        (pickle), so it must be importable by name: a module-level function, not a lambda.
+        `non_block` (only with steps in flight): return a `Future` per answer instead."""
         self._check_alive()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.rpc_broadcast_mq.enqueue(
                 (method, args, kwargs or {}, unique_reply_rank), timeout, self.shutdown_event
             )
-            repliers = self.workers if unique_reply_rank is None else [self.workers[unique_reply_rank]]
+        except (QueueCancelledError, TimeoutError) as e:
+            raise self._call_error(method, e) from None
+        repliers = self.workers if unique_reply_rank is None else [self.workers[unique_reply_rank]]
+        if self.io_thread_pool is None:
+            if non_block:
+                raise RuntimeError("non_block can only be used when max_concurrent_batches > 1")
             return [self._get_response(handle, method, deadline) for handle in repliers]
-        except QueueCancelledError:
-            if self.failure_reason is not None:
-                raise EngineDeadError(self.failure_reason) from None
-            raise RuntimeError("the executor was shut down during the call.") from None
-        except TimeoutError:
-            self._fail(f"{method!r} took longer than {timeout} s")
-            raise EngineDeadError(self.failure_reason) from None
+        futures = [
+            self.io_thread_pool.submit(self._get_response, handle, method, deadline) for handle in repliers
+        ]
+        return futures if non_block else [future.result() for future in futures]
+
+    def _call_error(self, method: RpcMethod, error: QueueCancelledError | TimeoutError) -> Exception:
+        """What a call that was cancelled (shutdown, a dead worker) or timed out raises."""
+        if isinstance(error, TimeoutError):
+            self._fail(f"{method!r} took longer than its timeout")
+        if self.failure_reason is not None:
+            return EngineDeadError(self.failure_reason)
+        return RuntimeError("the executor was shut down during the call.")
 
     def _get_response(self, handle: WorkerProcHandle, method: RpcMethod, deadline: float | None) -> Any:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        status, result = handle.worker_response_mq.dequeue(remaining, self.shutdown_event)
+        try:
+            status, result = handle.worker_response_mq.dequeue(remaining, self.shutdown_event)
+        except (QueueCancelledError, TimeoutError) as e:
+            raise self._call_error(method, e) from None
         if status == WorkerProc.ResponseStatus.FAILURE:
             error = f"worker rank {handle.rank} failed in {getattr(method, '__name__', method)}: {result}"
             self._fail(error)
@@ -177,11 +204,15 @@ class MultiprocExecutor(Executor):
         if self.shutdown_event.is_set():
             raise RuntimeError("the executor has been shut down.")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Every rank runs the step; only rank 0 sends its output back."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Every rank runs the step; only rank 0 sends its output back. `non_block`: return
+        as soon as the step is sent, with a `Future` of the output."""
         return self.collective_rpc(
-            "execute_model", EXECUTE_MODEL_TIMEOUT_S, args=(scheduler_output,), unique_reply_rank=0
-        )[0]
+            "execute_model", EXECUTE_MODEL_TIMEOUT_S, args=(scheduler_output,), unique_reply_rank=0,
+            non_block=non_block,
+        )[0]  # fmt: skip
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.collective_rpc("take_draft_token_ids", unique_reply_rank=0)[0]
@@ -192,6 +223,8 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop the workers and remove the queues' shared memory (idempotent)."""
         self._finalizer()
+        if self.io_thread_pool is not None:  # the wait it may be in was cancelled just now
+            self.io_thread_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _shutdown(
@@ -249,6 +282,14 @@ class WorkerProc:
         self.rank = rank
         self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, reader_rank=rank)
         self.worker_response_mq = MessageQueue.create_from_handle(output_shm_handle, reader_rank=None)
+        # Async scheduling (chapter 14): answers leave from a thread of their own, so that
+        # serializing and sending step N's output overlaps step N + 1.
+        self.use_async_scheduling = vllm_config.scheduler_config.async_scheduling
+        if self.use_async_scheduling:
+            self.async_output_queue: queue.Queue[tuple[WorkerProc.ResponseStatus, Any]] = queue.Queue()
+            threading.Thread(
+                target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutputCopy"
+            ).start()
         self.worker = Worker(vllm_config, local_rank, rank, distributed_init_method)
         self.worker.init_device()  # joins the other ranks: every worker must be starting at once
         self.worker.load_model()  # this rank's shard of every weight
@@ -344,6 +385,19 @@ class WorkerProc:
         ready_pipe.close()
         worker.worker_busy_loop()
 
+    def handle_output(self, response: tuple[WorkerProc.ResponseStatus, Any]) -> None:
+        """Send an answer: from this thread, or with async scheduling from the output thread."""
+        if self.use_async_scheduling:
+            self.async_output_queue.put(response)
+        else:
+            self.worker_response_mq.enqueue(response)
+
+    def async_output_busy_loop(self) -> None:
+        """The output thread: send each answer in the order the busy loop produced them."""
+        while True:
+            self.worker_response_mq.enqueue(self.async_output_queue.get())
+            self.async_output_queue.task_done()
+
     def worker_busy_loop(self) -> None:
         """Run each broadcast call; answer if this rank is asked to. An exception ends the process."""
         while True:
@@ -353,9 +407,9 @@ class WorkerProc:
                 output = run_method(self.worker, method, args, kwargs)
             except Exception as e:
                 if replies:
-                    self.worker_response_mq.enqueue(
-                        (WorkerProc.ResponseStatus.FAILURE, f"{type(e).__name__}: {e}")
-                    )
+                    self.handle_output((WorkerProc.ResponseStatus.FAILURE, f"{type(e).__name__}: {e}"))
+                    if self.use_async_scheduling:
+                        self.async_output_queue.join()  # the error leaves before the process ends
                 raise  # fail-stop: the executor sees this process exit
             if replies:
-                self.worker_response_mq.enqueue((WorkerProc.ResponseStatus.SUCCESS, output))
+                self.handle_output((WorkerProc.ResponseStatus.SUCCESS, output))

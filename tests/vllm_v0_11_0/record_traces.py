@@ -39,6 +39,14 @@ model runner). With speculative decoding the scheduled drafts are verified exact
 (kept while equal to f), and after the step a deterministic proposer offers up to k
 drafts, some right and some wrong, for every request that sampled; like v0.11.0's n-gram
 proposer (vllm/v1/spec_decode/ngram_proposer.py) it never proposes past max_model_len.
+
+Async scheduling (chapter 14): the workloads without speculative decoding are recorded
+again, to traces/async/, under v0.11.0's own `EngineCore.step_with_batch_queue` with a
+queue of two and its `AsyncScheduler` (`record_async`). The engine core is built without
+a model or workers; a fake executor runs each step when it is sent, on its own copy of
+the tokens as a model runner keeps them, and returns an output that is never done before
+the loop waits for it, so every step is scheduled while the one before it runs.
+tests/test_async_scheduling.py replays them through nano_v1's loop.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import os
 import sys
 import tempfile
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +68,7 @@ import vllm.platforms
 vllm.platforms.builtin_platform_plugins["cpu"] = lambda: "vllm.platforms.cpu.CpuPlatform"
 
 import torch
-from trace_fields import output_fields, schedule_fields, state_fields
+from trace_fields import PendingOutput, output_fields, placeholder_fields, schedule_fields, state_fields
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -71,7 +80,9 @@ from vllm.config import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -380,7 +391,7 @@ class FakeModel:
         return drafts
 
 
-def build_scheduler(config: dict, model_dir: str) -> Scheduler:
+def build_scheduler(config: dict, model_dir: str, async_scheduling: bool = False) -> Scheduler:
     speculative_config = None
     if config["num_spec_tokens"]:
         speculative_config = SpeculativeConfig(
@@ -400,6 +411,7 @@ def build_scheduler(config: dict, model_dir: str) -> Scheduler:
             enable_chunked_prefill=config["enable_chunked_prefill"],
             long_prefill_token_threshold=config["long_prefill_token_threshold"],
             policy=config["policy"],
+            async_scheduling=async_scheduling,
         ),
         cache_config=CacheConfig(
             block_size=config["block_size"], enable_prefix_caching=config["enable_prefix_caching"]
@@ -415,7 +427,7 @@ def build_scheduler(config: dict, model_dir: str) -> Scheduler:
             KVCacheGroupSpec(["layer"], FullAttentionSpec(config["block_size"], 1, 1, torch.float32, False))
         ],
     )
-    scheduler = Scheduler(
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -534,6 +546,137 @@ def record(name: str, model_dir: str) -> dict:
     }
 
 
+# Async scheduling refuses speculative decoding: every other workload is recorded again
+# under v0.11.0's batch-queue loop, to traces/async/, but priority_preempt_scheduled, whose
+# v0.11.0 step runs a request it preempted (tests/test_vllm_traces.py says why) and so
+# has no model output this recorder could give.
+ASYNC_WORKLOADS = [
+    name
+    for name, workload in WORKLOADS.items()
+    if not workload.config.get("num_spec_tokens", 0) and name != "priority_preempt_scheduled"
+]
+
+
+class FakeExecutor:
+    """The worker of an async engine: runs each step when it is sent, in order, on its own
+    copy of each request's tokens, as a model runner keeps them. A step scheduled before
+    the previous step's token is back still has that token to feed."""
+
+    max_concurrent_batches = 2
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.sampled: dict[str, list[int]] | None = None  # the last step's, for the trace
+
+    def execute_model(self, so, non_block: bool = False) -> PendingOutput:
+        assert non_block
+        for new in so.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.prompt_token_ids)
+        cached = so.scheduled_cached_reqs
+        computed = {
+            **{new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs},
+            **dict(zip(cached.req_ids, cached.num_computed_tokens)),
+        }
+        sampled = {}
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            tokens = self.tokens[req_id]
+            if computed[req_id] + num_tokens < len(tokens):
+                sampled[req_id] = []  # a prefill chunk short of the last known token
+                continue
+            tokens.append(next_token(tokens))
+            sampled[req_id] = [tokens[-1]]
+        self.sampled = sampled
+        req_ids = list(sampled)
+        return PendingOutput(
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=[list(sampled[rid]) for rid in req_ids],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+            )
+        )
+
+
+def record_async(name: str, model_dir: str) -> dict:
+    """The workload under v0.11.0's own `EngineCore.step_with_batch_queue` (queue of 2) and
+    `AsyncScheduler`; one trace step per call of the loop, which may schedule a step, update
+    one, or both."""
+    workload = WORKLOADS[name]
+    config = dict(DEFAULT_CONFIG, **workload.config)
+    requests = [
+        dict(
+            {
+                "eos_token_id": NEVER_EOS,
+                "stop_token_ids": [],
+                "ignore_eos": False,
+                "min_tokens": 0,
+                "priority": 0,
+            },
+            **spec,
+            arrival_time=float(i),
+        )
+        for i, spec in enumerate(workload.requests)
+    ]
+    aborts = workload.aborts
+    scheduler = build_scheduler(config, model_dir, async_scheduling=True)
+    block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256) if config["enable_prefix_caching"] else None
+    executor = FakeExecutor()
+    core = EngineCore.__new__(EngineCore)  # the loop's state only: no model, no processes
+    core.scheduler, core.model_executor = scheduler, executor
+    core.batch_queue_size = executor.max_concurrent_batches
+    core.batch_queue = deque(maxlen=core.batch_queue_size)
+    scheduled: list[dict] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        was_running = [r.request_id for r in scheduler.running]
+        so = schedule()
+        scheduled.append(schedule_fields(scheduler, so, was_running))
+        return so
+
+    scheduler.schedule = recording_schedule
+    pending = sorted(requests, key=lambda r: r["arrival_step"])
+    steps = []
+    step = 0
+    while pending or scheduler.has_requests() or core.batch_queue:
+        assert step < 500, f"{name}: no progress"
+        arrivals = [spec["req_id"] for spec in pending if spec["arrival_step"] == step]
+        for spec in [s for s in pending if s["arrival_step"] == step]:
+            scheduler.add_request(make_request(spec, block_hasher))
+        pending = [s for s in pending if s["arrival_step"] != step]
+        for req_id in aborts.get(step, []):
+            scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        scheduled.clear()
+        executor.sampled = None
+        engine_outputs, _ = core.step_with_batch_queue()
+        steps.append(
+            {
+                "step": step,
+                "arrivals": arrivals,
+                "aborts": list(aborts.get(step, [])),
+                "schedule": scheduled[0] if scheduled else None,
+                "model_output": executor.sampled,
+                "outputs": None
+                if engine_outputs is None
+                else output_fields(out for eco in engine_outputs.values() for out in eco.outputs),
+                "after": dict(state_fields(scheduler), **placeholder_fields(scheduler)),
+            }
+        )
+        step += 1
+
+    return {
+        "vllm_version": VLLM_VERSION,
+        "workload": name,
+        "description": workload.description + " Under async scheduling.",
+        "recorder": "tests/vllm_v0_11_0/record_traces.py",
+        "config": config,
+        "requests": requests,
+        "steps": steps,
+    }
+
+
 def write_trace(trace: dict, path: Path) -> None:
     """One step per line: small diffs when a trace is re-recorded."""
     head = {k: v for k, v in trace.items() if k != "steps"}
@@ -559,6 +702,11 @@ def main(out_dir: str) -> None:
             trace = record(name, model_dir)
             write_trace(trace, out / f"{name}.json")
             print(f"{name}: {len(trace['steps'])} steps")
+        (out / "async").mkdir(exist_ok=True)
+        for name in ASYNC_WORKLOADS:
+            trace = record_async(name, model_dir)
+            write_trace(trace, out / "async" / f"{name}.json")
+            print(f"async/{name}: {len(trace['steps'])} steps")
 
 
 if __name__ == "__main__":

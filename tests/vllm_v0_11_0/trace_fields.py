@@ -8,7 +8,8 @@ another when replayed. It imports neither engine: both schedulers expose the sam
 Both keep a value per KV cache group (nano_v1 since chapter 12): block ids as a tuple of
 lists (None for "no new blocks"), `num_common_prefix_blocks` as a list of counts. The
 recorded workloads run a model of one full-attention group, so a trace stores that
-group's value (`first_group`).
+group's value (`first_group`). The async traces (chapter 14) add each request's
+placeholders (`placeholder_fields`), and their batch queue holds `PendingOutput`s.
 """
 
 from __future__ import annotations
@@ -80,3 +81,24 @@ def state_fields(scheduler) -> dict:
         "num_free_blocks": manager.block_pool.get_num_free_blocks(),
         "free_block_queue": [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()],
     }
+
+
+def placeholder_fields(scheduler) -> dict:
+    """Async scheduling's own state (chapter 14): each live request's tokens still on their way."""
+    live = [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
+    return {"num_output_placeholders": {rid: scheduler.requests[rid].num_output_placeholders for rid in live}}
+
+
+class PendingOutput:
+    """A step's output in the batch queue of the async traces (`record_async` records them,
+    tests/test_async_scheduling.py replays them): never done before the engine waits for
+    it, so every step is scheduled while the one before it runs (a device slower than the host)."""
+
+    def __init__(self, output) -> None:
+        self.output = output
+
+    def done(self) -> bool:
+        return False
+
+    def result(self):
+        return self.output

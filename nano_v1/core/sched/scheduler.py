@@ -133,6 +133,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose ids the runner has not been sent yet
+        (`finished_req_ids`, carried by the next step): what the batch-queue loop schedules for."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids)
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         scheduled_new_reqs: list[Request] = []
@@ -295,15 +300,22 @@ class Scheduler:
             scheduled_encoder_inputs=scheduled_encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
-        # Advance optimistically: the tokens are "computed" as of the end of this step, so
-        # the next schedule() can already build on them (rejected drafts roll back later).
-        for req_id, num_tokens in num_scheduled_tokens.items():
-            request = self.requests[req_id]
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance optimistically: the scheduled tokens are "computed" as of the end of the
+        step, so the next schedule() can already build on them (rejected drafts roll back
+        in `update_from_output`). The output keeps the counts from before: the runner
+        derives the step's positions from them."""
+        requests = self.requests
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = requests[req_id]
             request.num_computed_tokens += num_tokens
             if request.has_encoder_inputs:
                 self._free_encoder_inputs(request)
+        # A new set: the output just built holds the old one.
         self.finished_req_ids = set()
-        return scheduler_output
 
     def _get_num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens `request` computes this step from `num_computed_tokens` on, before the budget.
@@ -317,6 +329,8 @@ class Scheduler:
         """
         # BEGIN TASK ch04_t2: what it lacks (drafts too); no prompt may hog a step, nor outgrow the context
         num_new_tokens = request.num_tokens_with_spec - num_computed_tokens
+        # Async scheduling (chapter 14): tokens still being sampled are known to be coming.
+        num_new_tokens += request.num_output_placeholders
         # One long prompt must not take every step's whole budget (0: no threshold).
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
@@ -431,6 +445,7 @@ class Scheduler:
         """Append sampled tokens, roll back rejected drafts, and finish stopped requests."""
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
+        stopped_preempted: list[Request] = []
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         req_id_to_index = model_runner_output.req_id_to_index
@@ -458,13 +473,8 @@ class Scheduler:
             if not new_token_ids:
                 continue  # a prefill chunk that has not reached the last prompt token
 
-            is_stopped = False
-            for num_kept, token_id in enumerate(new_token_ids, start=1):
-                request.append_output_token_ids(token_id)
-                if check_stop(request, self.max_model_len):
-                    is_stopped = True
-                    new_token_ids = new_token_ids[:num_kept]
-                    break
+            status_before_stop = request.status
+            new_token_ids, is_stopped = self._update_request_with_output(request, new_token_ids)
             new_logprobs = logprobs[req_index][: len(new_token_ids)] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
@@ -477,13 +487,31 @@ class Scheduler:
                 )
             )
             if is_stopped:
-                stopped.append(request)
+                # Only under async scheduling can a preempted request still get a token: from
+                # the step in flight when it was preempted.
+                if status_before_stop == RequestStatus.RUNNING:
+                    stopped.append(request)
+                else:
+                    stopped_preempted.append(request)
                 self._free_request(request)
 
         if stopped:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_decoding_stats))
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append the sampled tokens one by one, stopping at the first that finishes the
+        request; return the tokens kept and whether it finished."""
+        for num_kept, token_id in enumerate(new_token_ids, start=1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                return new_token_ids[:num_kept], True
+        return new_token_ids, False
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None) -> SchedulerStats:
         """This step's statistics, sent every step as in vLLM: the queues and KV cache usage

@@ -1,0 +1,77 @@
+"""The scheduler for asynchronous scheduling: step N + 1 is scheduled while step N runs.
+
+Mirrors vllm/v1/core/sched/async_scheduler.py (chapter 14).
+
+Why it exists: the synchronous engine core schedules a step, waits for the model, and
+only then updates the requests and schedules the next step, so the device idles for
+the whole host part of every step. With a batch queue of two (`EngineCore.step_with_batch_queue`)
+the core schedules step N + 1 before step N's tokens are back. A request decoding in
+step N will have one more token than it shows: `Request.num_output_placeholders`
+counts those tokens, one per step in flight that samples for the request.
+
+    schedule N      computed = num_tokens, +1 placeholder      (N samples token t)
+    schedule N + 1  num_new = num_tokens + 1 - computed = 1    (the runner feeds t itself)
+    update N        t appended, -1 placeholder
+
+The scheduler never needs the token's value: the model runner wrote `t` into its own
+persistent batch when it sampled it, so step N + 1's input is there when it runs. The
+only thing that must wait for the value is the prefix cache: a block's hash covers its
+tokens, so blocks are cached up to the real tokens only
+(`num_computed_tokens - num_output_placeholders`), once each step's tokens come back.
+
+What a request sees does not change: a request that finishes while a step for it is in
+flight (a stop token, `max_tokens`, an abort) is forgotten by then, and that step's
+token is dropped by `update_from_output`; a request preempted with a step in flight gets
+that step's (real) token when it arrives, and is cached again from scratch when resumed.
+
+What runs where: the engine core schedules and updates in its process while the worker
+runs the step in its own (the multiprocess executor, the default with async scheduling;
+with the worker in the engine core's process each step has run by the time it is
+queued, and nothing overlaps, as in v0.11.0). The worker sends each answer from an output
+thread (`WorkerProc.async_output_busy_loop`), so sending step N's output overlaps step
+N + 1. The same code runs on the CPU and on CUDA.
+
+What differs from v0.11.0: nothing in this class. The placeholders enter the scheduler's
+token count in `Scheduler._get_num_new_tokens` (v0.11.0 adds them in the running pass
+only; a waiting request never has any, which the tests check). Left out: on CUDA,
+v0.11.0's model runner also avoids waiting for the sampled tokens within the step: it
+copies them to the host on a side stream (`AsyncGPUModelRunnerOutput`, waited for in the
+output thread) and feeds them to the next step from the device (`prev_sampled_token_ids`
+in `_prepare_input_ids`). nano_v1's runner copies them within the step on every device,
+so the worker's own input preparation does not overlap the forward; the engine core's
+scheduling and output handling do.
+"""
+
+from __future__ import annotations
+
+from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.request import Request, RequestStatus
+
+
+class AsyncScheduler(Scheduler):
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        super()._update_after_schedule(scheduler_output)
+        requests = self.requests
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests[req_id]
+            # The step reaches the end of everything known: it samples the next token.
+            # (Speculative decoding is refused with async scheduling: one token per step.)
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        status_before_update = request.status
+        new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
+        # A request that stopped keeps the placeholder of a step still in flight: it is
+        # forgotten, and that step's token is dropped.
+        request.num_output_placeholders -= len(new_token_ids)
+        assert request.num_output_placeholders >= 0
+        # A preempted request holds no blocks: it is cached again when it is resumed.
+        if status_before_update == RequestStatus.RUNNING:
+            self.kv_cache_manager.cache_blocks(
+                request, request.num_computed_tokens - request.num_output_placeholders
+            )
+        return new_token_ids, stopped

@@ -1,0 +1,684 @@
+"""Asynchronous scheduling (chapter 14): step N + 1 is scheduled while step N runs.
+
+The scheduler tests drive an `AsyncScheduler` as `EngineCore.step_with_batch_queue`
+does, with up to two steps in flight, over test_scheduler.py's fake model runner (its
+"model" is a function of the token history, so every output is known in advance). They
+check, after every schedule and every update, that placeholders stay bounded by the
+steps in flight and never reach an output or a cached block's hash. The cases of
+v0.11.0's tests/v1/core/test_async_scheduler.py are ported below them, and v0.11.0's own
+batch-queue loop and AsyncScheduler, recorded by tests/vllm_v0_11_0/record_traces.py,
+are replayed through nano_v1's field by field, placeholders included. The engine tests
+compare greedy (and seeded) outputs with and without async scheduling through `LLM`,
+with the worker in its own process so that the steps really overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+from collections import deque
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import make_scheduler, make_tiny_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_utils import BackgroundServer
+from test_api_server import stream_completion, wait_until_idle
+from test_cli import run_cli
+from test_engine_core_proc import LoopOnlyCore, start_input_loop, wait
+from test_scheduler import FakeModelRunner, make_requests, reference_output
+from test_vllm_traces import STATE_FIELDS, compare
+from test_vllm_traces import build_scheduler as build_trace_scheduler
+from test_vllm_traces import make_request as make_trace_request
+from vllm_v0_11_0.trace_fields import (
+    PendingOutput,
+    output_fields,
+    placeholder_fields,
+    schedule_fields,
+    state_fields,
+)
+
+from nano_v1 import LLM, SamplingParams
+from nano_v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
+from nano_v1.core.sched.async_scheduler import AsyncScheduler
+from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.engine.arg_utils import EngineArgs
+from nano_v1.engine.core import EngineCore
+from nano_v1.engine.exceptions import EngineDeadError
+from nano_v1.executor.abstract import UniProcExecutor
+from nano_v1.executor.multiproc_executor import MultiprocExecutor
+from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.request import Request, RequestStatus
+
+pytestmark = pytest.mark.ch14
+
+BLOCK_SIZE = 16
+
+
+# ---------------------------------------------------------------------- the scheduler
+def check_placeholders(sched: Scheduler, num_in_flight: int) -> None:
+    """What placeholders may be, with `num_in_flight` steps not yet updated."""
+    for request in sched.requests.values():
+        assert 0 <= request.num_output_placeholders <= num_in_flight, (
+            f"{request.request_id} has {request.num_output_placeholders} placeholders with "
+            f"{num_in_flight} steps in flight"
+        )
+        assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders, (
+            f"{request.request_id}: computed beyond its tokens and the tokens on their way"
+        )
+
+
+def check_cached_blocks_hold_real_tokens(sched: Scheduler) -> None:
+    """A running request's cached blocks are full of its real tokens: each one's hash is the
+    hash of the request's own tokens there, and none lies past them."""
+    manager = sched.kv_cache_manager
+    block_size = sched.block_size
+    for request in sched.running:
+        (blocks,) = manager.get_blocks(request.request_id).blocks
+        for i, block in enumerate(blocks):
+            if block.block_hash is None:
+                continue
+            assert (i + 1) * block_size <= request.num_tokens, (
+                f"{request.request_id}'s block {i} is cached, but its tokens up to "
+                f"{(i + 1) * block_size} are not all sampled yet ({request.num_tokens} are)"
+            )
+            assert block.block_hash == make_block_hash_with_group_id(request.block_hashes[i], 0)
+
+
+class OneTokenMore(dict):
+    """Each request's token limit in the fake runner, one above its own."""
+
+    def __setitem__(self, req_id: str, max_tokens: int) -> None:
+        super().__setitem__(req_id, max_tokens + 1)
+
+
+class AsyncFakeModelRunner(FakeModelRunner):
+    """test_scheduler.py's runner, allowed one token past a request's max_tokens: the step
+    scheduled while the request's last token was on its way samples one more, which the
+    scheduler drops (as v0.11.0 does, and as a real runner may: only max_model_len binds it)."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.max_tokens = OneTokenMore()
+
+
+def run_async_workload(
+    sched: AsyncScheduler,
+    requests: list[Request],
+    abort_prob: float,
+    rng: random.Random,
+    max_steps: int = 5000,
+) -> tuple[dict[str, list[int]], set[str]]:
+    """Run as step_with_batch_queue does, with a batch queue of 2. The fake runner runs each
+    step when it is scheduled (a worker runs the steps in the order they are sent); the
+    scheduler sees a step's output only when it is popped, after the next step is
+    scheduled, unless the draw says the step was done before the next one could start."""
+    runner = AsyncFakeModelRunner(sched.block_size)
+    batch_queue: deque[tuple[ModelRunnerOutput, SchedulerOutput]] = deque()
+    pending = list(requests)
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finished: set[str] = set()
+    aborted: set[str] = set()
+    steps = 0
+    while pending or sched.has_unfinished_requests() or batch_queue:
+        steps += 1
+        assert steps < max_steps, f"the scheduler stopped making progress ({max_steps} steps)"
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                sched.add_request(pending.pop(0))
+        if sched.requests and rng.random() < abort_prob:
+            victim = rng.choice(sorted(sched.requests))
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+        if sched.has_unfinished_requests():
+            for request in sched.waiting:
+                assert request.num_output_placeholders == 0, f"{request.request_id} waits on a step in flight"
+            scheduler_output = sched.schedule()
+            check_placeholders(sched, len(batch_queue) + 1)
+            check_cached_blocks_hold_real_tokens(sched)
+            batch_queue.appendleft((runner.execute_model(scheduler_output), scheduler_output))
+            if (
+                scheduler_output.total_num_scheduled_tokens > 0
+                and len(batch_queue) < 2
+                and rng.random() < 0.8
+            ):
+                continue
+        elif not batch_queue:
+            continue
+        model_runner_output, scheduler_output = batch_queue.pop()
+        for out in sched.update_from_output(scheduler_output, model_runner_output).outputs:
+            assert out.request_id not in finished, f"{out.request_id} got a token after it finished"
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
+        check_placeholders(sched, len(batch_queue))
+        check_cached_blocks_hold_real_tokens(sched)
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == len(pool.blocks) - 1, "with every request done, every block is free"
+    return outputs, aborted
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([1, 4, 16]),
+    budget=st.integers(1, 96),
+    max_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    abort_prob=st.sampled_from([0.0, 0.1]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_async_scheduler_invariants_and_outputs(
+    seed, block_size, budget, max_seqs, caching, abort_prob, policy
+):
+    """Chunked prefill, preemption (small pools), prefix caching and aborts, with steps in
+    flight: every request that is not aborted gets exactly the model's continuation."""
+    rng = random.Random(seed)
+    max_prompt, max_out = 40, 12
+    max_model_len = 3 * 16 + max_prompt + max_out + 1
+    num_blocks = rng.randint(max_model_len // block_size + 2, 3 * max_model_len // block_size + 2)
+    sched = make_scheduler(
+        num_blocks, block_size, budget, max_seqs, max_model_len, caching, policy=policy, async_scheduling=True
+    )
+    requests = make_requests(rng, rng.randint(1, 12), block_size, max_prompt, max_out, shared=True)
+    for r in requests:
+        r.priority = rng.randint(0, 2)
+    outputs, aborted = run_async_workload(sched, requests, abort_prob, rng)
+    for r in requests:
+        if r.request_id in aborted:
+            continue
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED, f"{r.request_id} ended {r.status.name}"
+        assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens)
+        assert r.output_token_ids == outputs[r.request_id], "the request holds a token it never emitted"
+
+
+def make_async_scheduler(num_blocks: int = 1000, budget: int = 8192, caching: bool = False) -> AsyncScheduler:
+    sched = make_scheduler(num_blocks, BLOCK_SIZE, budget, 16, 2048, caching, async_scheduling=True)
+    assert isinstance(sched, AsyncScheduler)
+    return sched
+
+
+def make_uniform_requests(
+    num: int, prompt_len: int = 10, max_tokens: int = 16, same_prompt: bool = False, first_token: int = 0
+) -> list[Request]:
+    """Request i's prompt is token i repeated (token 0 for all with `same_prompt`), as v0.11.0's tests build them."""
+    hasher = get_request_block_hasher(BLOCK_SIZE)
+    return [
+        Request(
+            f"{first_token + i}",
+            [0 if same_prompt else first_token + i] * prompt_len,
+            SamplingParams(max_tokens=max_tokens),
+            eos_token_id=None,
+            block_hasher=hasher,
+        )
+        for i in range(num)
+    ]
+
+
+def indexed_output(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    """Request i of the step samples token i (v0.11.0's `_make_model_runner_output`)."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[[i] for i in range(len(req_ids))],
+    )
+
+
+def drain(sched: Scheduler, in_flight: deque[SchedulerOutput], before_each_update=lambda: None) -> None:
+    """Update the oldest step, schedule the next, until nothing is left in flight."""
+    while in_flight:
+        before_each_update()
+        scheduler_output = in_flight.popleft()
+        sched.update_from_output(scheduler_output, indexed_output(scheduler_output))
+        scheduler_output = sched.schedule()
+        if scheduler_output.num_scheduled_tokens:
+            in_flight.append(scheduler_output)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_stop_by_max_tokens(max_tokens):
+    """A step scheduled past max_tokens (its request still had a step in flight) gives nothing."""
+    sched = make_async_scheduler()
+    req0, req1 = make_uniform_requests(2, max_tokens=max_tokens)
+    in_flight: deque[SchedulerOutput] = deque()
+    sched.add_request(req0)
+    in_flight.append(sched.schedule())
+    sched.add_request(req1)
+    in_flight.append(sched.schedule())
+    drain(sched, in_flight)
+    assert sched.get_num_unfinished_requests() == 0
+    assert req0.num_output_tokens == req1.num_output_tokens == max_tokens
+
+
+def test_abort():
+    """A request aborted with steps in flight keeps the tokens it had, and gets none after."""
+    sched = make_async_scheduler()
+    requests = make_uniform_requests(10, max_tokens=20)
+    for request in requests:
+        sched.add_request(request)
+    in_flight: deque[SchedulerOutput] = deque([sched.schedule(), sched.schedule()])
+    abort_order = [0, 8, 3, 1, 6, 4, 2, 5, 7, 9]
+    to_abort = list(abort_order)
+
+    def abort_next() -> None:
+        if to_abort:
+            sched.finish_requests(requests[to_abort.pop(0)].request_id, RequestStatus.FINISHED_ABORTED)
+
+    drain(sched, in_flight, abort_next)
+    for i, request in enumerate(requests):
+        assert request.status == RequestStatus.FINISHED_ABORTED
+        assert request.num_output_tokens == abort_order.index(i)
+
+
+def test_preempt_with_a_step_in_flight():
+    """v0.11.0's test_preempt repeats its test_abort; this one preempts. A request preempted
+    while a step for it runs keeps that step's token (it is real), holds no placeholder
+    once the step is updated, and is resumed and finished like any other."""
+    # 2 requests of 16-token prompts: 2 blocks each once decoding; 3 usable blocks.
+    sched = make_scheduler(4, BLOCK_SIZE, 8192, 16, 2048, False, async_scheduling=True)
+    req0, req1 = make_uniform_requests(2, prompt_len=BLOCK_SIZE, max_tokens=3)
+    sched.add_request(req0)
+    sched.add_request(req1)
+    first = sched.schedule()  # both prompts: one block each
+    assert set(first.num_scheduled_tokens) == {"0", "1"}
+    assert req0.num_output_placeholders == req1.num_output_placeholders == 1
+    second = sched.schedule()  # each decode needs a second block; only one is free
+    assert req1.status == RequestStatus.PREEMPTED and req1.num_computed_tokens == 0
+    assert list(second.num_scheduled_tokens) == ["0"]
+    assert req1.num_output_placeholders == 1  # the first step still samples for it
+    sched.update_from_output(first, indexed_output(first))
+    assert req1.output_token_ids == [1] and req1.num_output_placeholders == 0
+    assert req1.status == RequestStatus.PREEMPTED
+    drain(sched, deque([second]))
+    assert req0.output_token_ids == [0, 0, 0]
+    assert req1.num_preemptions == 1 and req1.output_token_ids == [1, 0, 0]
+    assert sched.get_num_unfinished_requests() == 0
+
+
+def test_a_preempted_request_that_stops_on_the_step_in_flight_leaves_the_queue():
+    """Only async scheduling can finish a waiting request with a token: the step in flight
+    when it was preempted. It leaves the waiting queue and frees nothing twice."""
+    sched = make_scheduler(4, BLOCK_SIZE, 8192, 16, 2048, False, async_scheduling=True)
+    (req0,) = make_uniform_requests(1, prompt_len=BLOCK_SIZE, max_tokens=3)
+    (req1,) = make_uniform_requests(1, prompt_len=BLOCK_SIZE, max_tokens=1, first_token=1)
+    sched.add_request(req0)
+    sched.add_request(req1)
+    first = sched.schedule()
+    sched.schedule()  # req1 preempted, its first (and last) token on its way
+    assert req1.status == RequestStatus.PREEMPTED
+    outputs = sched.update_from_output(first, indexed_output(first)).outputs
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ("0", [0], None),
+        ("1", [1], "length"),
+    ]
+    assert req1.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert req1 not in sched.waiting and "1" not in sched.requests
+
+
+def test_prefix_caching_for_prefill_dedup():
+    """Two requests with the same prompt in one step share its full blocks, and so do the
+    requests that arrive while steps are in flight."""
+    sched = make_async_scheduler(budget=1000, caching=True)
+    num_prompt_tokens = 100
+    requests = make_uniform_requests(5, prompt_len=num_prompt_tokens, max_tokens=3, same_prompt=True)
+    later = list(requests[2:])
+    sched.add_request(requests[0])
+    sched.add_request(requests[1])
+    first = sched.schedule()
+    assert len(first.num_scheduled_tokens) == 2
+    num_full_blocks = num_prompt_tokens // BLOCK_SIZE
+    assert requests[0].num_cached_tokens == 0
+    assert requests[1].num_cached_tokens >= num_full_blocks * BLOCK_SIZE
+    in_flight = deque([first, sched.schedule()])
+    drain(sched, in_flight, lambda: later and sched.add_request(later.pop(0)))
+    assert sched.get_num_unfinished_requests() == 0
+    for request in requests[1:]:
+        assert request.num_cached_tokens >= num_full_blocks * BLOCK_SIZE
+
+
+def test_prefix_caching_for_multi_turn():
+    """The blocks of sampled tokens are cached as their tokens come back: a next turn whose
+    prompt is a whole conversation hits every full block of it."""
+    sched = make_async_scheduler(budget=1000, caching=True)
+    num_prompt_tokens, num_output_tokens = 100, 200
+    requests = make_uniform_requests(5, prompt_len=num_prompt_tokens, max_tokens=num_output_tokens)
+    for request in requests:
+        sched.add_request(request)
+    drain(sched, deque([sched.schedule(), sched.schedule()]))
+    assert sched.get_num_unfinished_requests() == 0
+    hasher = get_request_block_hasher(BLOCK_SIZE)
+    next_turn = [
+        Request(
+            f"next{i}", r.prompt_token_ids + r.output_token_ids, SamplingParams(max_tokens=num_output_tokens),
+            eos_token_id=None, block_hasher=hasher,
+        )
+        for i, r in enumerate(requests)
+    ]  # fmt: skip
+    for request in next_turn:
+        sched.add_request(request)
+    sched.schedule()
+    for request in next_turn:
+        assert request.num_cached_tokens == request.num_prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_synchronous_scheduler_never_has_placeholders():
+    """The placeholder bookkeeping is AsyncScheduler's alone."""
+    sched = make_scheduler(1000, BLOCK_SIZE, 8192, 16, 2048, True)
+    rng = random.Random(0)
+    requests = make_requests(rng, 6, BLOCK_SIZE, 40, 8, shared=True)
+    for request in requests:
+        sched.add_request(request)
+    runner = FakeModelRunner(BLOCK_SIZE)
+    while sched.has_unfinished_requests():
+        scheduler_output = sched.schedule()
+        assert all(r.num_output_placeholders == 0 for r in sched.requests.values())
+        sched.update_from_output(scheduler_output, runner.execute_model(scheduler_output))
+    assert all(r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens) for r in requests)
+
+
+# ---------------------------------------------------------------------- vLLM v0.11.0's traces
+ASYNC_TRACES = Path(__file__).parent / "vllm_v0_11_0" / "traces" / "async"
+ASYNC_WORKLOADS = sorted(path.stem for path in ASYNC_TRACES.glob("*.json"))
+
+
+class TraceExecutor:
+    """Hands back, for the step scheduled in the current trace step, the recorded model output."""
+
+    def __init__(self) -> None:
+        self.entry: dict = {}
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> PendingOutput:
+        assert non_block
+        model_output = self.entry["model_output"]
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return PendingOutput(
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=[list(model_output[rid]) for rid in req_ids],
+            )
+        )
+
+
+def replay_async(trace: dict) -> None:
+    """Drive nano_v1's `EngineCore.step_with_batch_queue` and `AsyncScheduler` through a trace of
+    v0.11.0's; raise TraceMismatch at the first field that differs. Each trace step is one
+    call of the loop: what it scheduled (or None), the outputs of the step it waited for (or
+    None), and the state it left, placeholders included."""
+    workload, config = "async/" + trace["workload"], trace["config"]
+    sched = build_trace_scheduler(config, async_scheduling=True)
+    block_hasher = get_request_block_hasher(config["block_size"]) if config["enable_prefix_caching"] else None
+    specs = {spec["req_id"]: spec for spec in trace["requests"]}
+    executor = TraceExecutor()
+    core = EngineCore.__new__(EngineCore)  # the loop's state only: no model, no workers
+    core.scheduler, core.model_executor = sched, executor
+    core.batch_queue_size = 2
+    core.batch_queue = deque(maxlen=2)
+    scheduled: list[dict] = []
+    schedule = sched.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        was_running = [r.request_id for r in sched.running]
+        scheduler_output = schedule()
+        scheduled.append(schedule_fields(sched, scheduler_output, was_running))
+        return scheduler_output
+
+    sched.schedule = recording_schedule
+    for entry in trace["steps"]:
+        step = entry["step"]
+        for req_id in entry["arrivals"]:
+            sched.add_request(make_trace_request(specs[req_id], block_hasher))
+        for req_id in entry["aborts"]:
+            sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        scheduled.clear()
+        executor.entry = entry
+        engine_outputs = core.step_with_batch_queue()
+        actual = {
+            "schedule": scheduled[0] if scheduled else None,
+            "outputs": None if engine_outputs is None else output_fields(engine_outputs.outputs),
+        }
+        compare(workload, step, entry, actual, ("schedule", "outputs"), {"schedule", "outputs"})
+        after = dict(state_fields(sched), **placeholder_fields(sched))
+        fields = (*STATE_FIELDS, "after.num_output_placeholders")
+        compare(workload, step, entry["after"], after, fields, set(fields))
+    assert not sched.has_unfinished_requests() and not core.batch_queue, (
+        f"{workload}: nano_v1 has work left after the trace's last step"
+    )
+
+
+def test_async_traces_are_v0_11_0s_and_overlap():
+    assert len(ASYNC_WORKLOADS) >= 10
+    for workload in ASYNC_WORKLOADS:
+        trace = json.loads((ASYNC_TRACES / f"{workload}.json").read_text())
+        assert trace["vllm_version"] == "0.11.0" and trace["workload"] == workload
+        assert any(s["schedule"] and s["outputs"] is not None for s in trace["steps"]), (
+            f"{workload}: no step was scheduled while the one before it ran"
+        )
+
+
+@pytest.mark.parametrize("workload", ASYNC_WORKLOADS)
+def test_async_replay_matches_vllm(workload):
+    """Every recorded field of every call of the batch-queue loop, block ids and placeholders included."""
+    replay_async(json.loads((ASYNC_TRACES / f"{workload}.json").read_text()))
+
+
+# ---------------------------------------------------------------------- configuration
+def test_async_scheduling_flag_defaults_to_the_multiprocess_executor():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--async-scheduling"]))
+    assert args.async_scheduling is True
+    config = EngineArgs(async_scheduling=True).create_engine_config()
+    assert config.scheduler_config.async_scheduling
+    assert config.parallel_config.distributed_executor_backend == "mp"
+    explicit = EngineArgs(async_scheduling=True, distributed_executor_backend="uni")
+    assert explicit.create_engine_config().parallel_config.distributed_executor_backend == "uni"
+    assert EngineArgs().create_engine_config().parallel_config.distributed_executor_backend == "uni"
+
+
+def test_cli_generate_and_serve_take_the_flag():
+    """`nano-v1 generate --async-scheduling` prints what the synchronous engine prints."""
+    serve_help = run_cli("serve", "--help")
+    assert serve_help.returncode == 0 and "--async-scheduling" in serve_help.stdout
+    args = ("generate", "def fibonacci(n):", "--max-tokens", "12", "--temperature", "0")
+    synchronous, asynchronous = run_cli(*args), run_cli(*args, "--async-scheduling")
+    assert synchronous.returncode == asynchronous.returncode == 0, asynchronous.stderr
+    assert asynchronous.stdout == synchronous.stdout
+
+
+def test_async_scheduling_refuses_speculative_decoding():
+    args = EngineArgs(
+        async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+    )
+    with pytest.raises(ValueError, match="speculative decoding is not supported with async scheduling"):
+        args.create_engine_config()
+
+
+# ---------------------------------------------------------------------- the engine
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    block_size=BLOCK_SIZE,
+    max_model_len=128,
+    num_gpu_blocks_override=20,  # 19 usable blocks: 8 requests of up to 8 blocks preempt
+    max_num_batched_tokens=48,  # the prompts are chunked
+    enable_prefix_caching=True,
+)
+
+
+def prompts_with_a_shared_prefix(n: int = 8, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 4096) for _ in range(2 * BLOCK_SIZE)]
+    return [
+        {
+            "prompt_token_ids": prefix[: rng.choice([0, BLOCK_SIZE, 2 * BLOCK_SIZE])]
+            + [rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))]
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def sync_and_async_llms():
+    """The demo model twice: synchronous with its worker in this process, and async with its
+    worker in a process of its own (the default with async scheduling), so that steps overlap."""
+    sync = LLM(**ENGINE_KWARGS)
+    asynchronous = LLM(**ENGINE_KWARGS, async_scheduling=True)
+    core = asynchronous.llm_engine.engine_core.engine_core
+    assert isinstance(sync.llm_engine.engine_core.engine_core.model_executor, UniProcExecutor)
+    assert isinstance(core.model_executor, MultiprocExecutor) and core.batch_queue_size == 2
+    assert isinstance(core.scheduler, AsyncScheduler)
+    yield sync, asynchronous
+    asynchronous.llm_engine.shutdown()
+
+
+def spy_on(monkeypatch, core) -> tuple[list[int], list[str]]:
+    """Record, at each update, how many steps are still in flight; and every preemption."""
+    in_flight_at_update: list[int] = []
+    preempted: list[str] = []
+    update, preempt = core.scheduler.update_from_output, core.scheduler._preempt
+
+    def spy_update(scheduler_output, model_runner_output):
+        in_flight_at_update.append(len(core.batch_queue))
+        return update(scheduler_output, model_runner_output)
+
+    monkeypatch.setattr(core.scheduler, "update_from_output", spy_update)
+    monkeypatch.setattr(core.scheduler, "_preempt", lambda r: (preempted.append(r.request_id), preempt(r)))
+    return in_flight_at_update, preempted
+
+
+def completions(outputs) -> list:
+    return [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+def assert_same_logprobs(got, expected) -> None:
+    """The same top tokens at each position, their logprobs equal up to float32 rounding: a
+    step that samples for a request finished meanwhile is a larger batch than the
+    synchronous engine's, so reductions may add in another order."""
+    for g, e in zip(got, expected):
+        for gc, ec in zip(g.outputs, e.outputs):
+            assert [list(d) for d in gc.logprobs] == [list(d) for d in ec.logprobs]
+            for gd, ed in zip(gc.logprobs, ec.logprobs):
+                assert list(gd.values()) == pytest.approx(list(ed.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["e", " t"]),
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True),
+    ],
+    ids=["greedy", "n2-seeded", "stop-strings", "logprobs"],
+)
+def test_async_scheduling_changes_no_output(sync_and_async_llms, monkeypatch, params):
+    """Preemption, prefix caching and chunked prefill in every case; stop strings (the frontend
+    aborts the request while its next step runs), n > 1 and logprobs in their own."""
+    sync, asynchronous = sync_and_async_llms
+    core = asynchronous.llm_engine.engine_core.engine_core
+    in_flight_at_update, preempted = spy_on(monkeypatch, core)
+    prompts = prompts_with_a_shared_prefix()
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = asynchronous.generate(prompts, params, use_tqdm=False)
+    assert completions(got) == completions(expected)
+    assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in expected]
+    if params.logprobs:
+        assert_same_logprobs(got, expected)
+    assert max(in_flight_at_update) == 1, "no step was updated while the next one ran"
+    if not params.stop:
+        assert preempted, "the cache was meant to be too small for the batch"
+    if params.stop:  # requests stop early, and then fit
+        assert any(
+            c.finish_reason == "stop" and isinstance(c.stop_reason, str) for o in got for c in o.outputs
+        )
+
+
+def test_async_scheduling_with_the_engine_core_in_its_own_process(sync_and_async_llms, monkeypatch):
+    """The busy loop of EngineCoreProc collects the step still in flight when the last
+    request finishes, and serves the next requests after it."""
+    sync, _ = sync_and_async_llms
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, stop=["e"])
+        prompts = prompts_with_a_shared_prefix(4, seed=1)
+        for _ in range(2):
+            assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(
+                sync.generate(prompts, params, use_tqdm=False)
+            )
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_an_idle_core_with_a_step_in_flight_does_not_wait_for_input():
+    """The step in flight must be collected (its stats, the requests' last tokens): the busy
+    loop goes on to `step_with_batch_queue` instead of blocking on the input queue."""
+    core = LoopOnlyCore()
+    core.batch_queue = deque([("a future", "its scheduler output")])
+    loop, errors = start_input_loop(core)
+    wait(loop, errors, 5)
+    assert not loop.is_alive(), "the core waited for input with a step in flight"
+
+
+def test_the_streaming_server_with_async_scheduling(sync_and_async_llms):
+    """The OpenAI server (its engine core in a process of its own, the worker in another)
+    streams what the synchronous engine generates, stop strings included, and every KV
+    block is free again once the requests are done."""
+    sync, _ = sync_and_async_llms
+    server = BackgroundServer(EngineArgs(**ENGINE_KWARGS, async_scheduling=True))
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        for prompt, stop in [
+            ("def fibonacci(n):\n", []),
+            ("import os\n", ["e", " t"]),
+            ("class Stack:\n", []),
+        ]:
+            params = SamplingParams(temperature=0.0, max_tokens=24, stop=stop)
+            expected = sync.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            got = stream_completion(client, prompt=prompt, max_tokens=24, temperature=0.0, stop=stop)
+            assert got == ({0: expected.text}, {0: expected.finish_reason})
+        wait_until_idle(server, within_s=10)
+    finally:
+        server.stop()
+
+
+def io_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name.startswith("mp_exec_io")}
+
+
+def test_a_worker_error_reaches_the_engine_through_the_output_thread():
+    """Fail-stop is kept: the worker's error is sent by its output thread before the
+    process exits, and the engine is dead from then on; shutdown ends the executor's IO thread."""
+    before = io_threads()
+    llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
+    try:
+        with pytest.raises(EngineDeadError, match="worker rank 0 failed in no_such_method: AttributeError"):
+            llm.collective_rpc("no_such_method")
+        with pytest.raises(EngineDeadError):
+            llm.generate(prompts_with_a_shared_prefix(2), SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for thread in io_threads() - before:
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the executor's IO thread outlived its shutdown"
+
+
+@pytest.mark.slow
+def test_async_scheduling_with_tensor_parallelism(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    prompts = prompts_with_a_shared_prefix(6, seed=2)
+    for p in prompts:
+        p["prompt_token_ids"] = [t % 512 for t in p["prompt_token_ids"]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kwargs = {**ENGINE_KWARGS, "model": path}
+    expected = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**kwargs, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(expected)
+    finally:
+        llm.llm_engine.shutdown()
