@@ -22,28 +22,13 @@ import pytest
 # The server, its engine-core process and the official client; the GPU image has none of them.
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("zmq")
-pytest.importorskip("msgspec")
 
-from server_utils import BackgroundServer, wait_until_healthy
-
-from nano_v1.engine.arg_utils import EngineArgs
+from helpers.servers import TIMEOUT_S, ServerThread, wait_until_healthy
 
 pytestmark = pytest.mark.ch09
 
-TIMEOUT_S = 60
 PROMPT = "def fibonacci(n):\n"
 ENGINE_KWARGS = dict(max_model_len=1024, block_size=16, num_gpu_blocks_override=512, dtype="float32")
-
-
-class ServerThread(BackgroundServer):
-    def __init__(self, **engine_kwargs) -> None:
-        super().__init__(EngineArgs(**engine_kwargs))
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ The integrity check is the point of this file: for every task region in the sour
 student copy with only that task stubbed must fail every test carrying the task's marker
 (and import its own nano_v1, not the installed reference), while the reference tree
 passes them all. A task whose tests still pass against a stub is a task nobody can fail.
-Each task's planted bugs (assignment_mutants.py) must be caught too: a copy with one
+Each task's planted bugs (helpers/assignment_mutants.py) must be caught too: a copy with one
 mutant applied must fail at least one of the task's tests, with a message that says
 what is wrong.
 
 The variants (stubs and mutants) run in two copies of the repository, two at a time (CI
-has 2 cores), each copy rewritten in place per variant by variant_runner.py, which
+has 2 cores), each copy rewritten in place per variant by helpers/variant_runner.py, which
 forks every run from one interpreter that has imported torch once.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from assignment_mutants import MUTANTS
+from helpers.assignment_mutants import MUTANTS
 
 from nano_v1.assignments import (
     ASSIGNMENT_FILE,
@@ -321,7 +321,7 @@ class Variant:
 
 
 def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, dict]:
-    """Run each variant of `root` in turn (variant_runner.py); the plugin's reports, by name.
+    """Run each variant of `root` in turn (helpers/variant_runner.py); the plugin's reports, by name.
 
     Each report also holds the tail of its run's output, and must come from root's own nano_v1.
     """
@@ -335,7 +335,7 @@ def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, d
         log = str(work / f"{i}.log")
         jobs.append({"path": variant.path, "text": variant.text, "args": args, "log": log, "timeout": 300})
     (work / "jobs.json").write_text(json.dumps({"root": str(root), "jobs": jobs}))
-    runner = Path(__file__).with_name("variant_runner.py")
+    runner = Path(__file__).parent / "helpers" / "variant_runner.py"
     env = dict(os.environ, PYTHONPATH=str(root))
     result = subprocess.run(
         [sys.executable, str(runner), str(work / "jobs.json")],
@@ -480,7 +480,7 @@ def test_every_task_has_at_least_three_mutants():
     for task in TASKS:
         names = [mutant.name for mutant in MUTANTS.get(task.task_id, [])]
         assert len(names) >= 3, (
-            f"{task.task_id} has {len(names)} mutants; plant at least 3 in assignment_mutants.py"
+            f"{task.task_id} has {len(names)} mutants; plant at least 3 in tests/helpers/assignment_mutants.py"
         )
         assert len(set(names)) == len(names), f"{task.task_id}: mutant names repeat"
 

@@ -10,11 +10,11 @@ embeds and every notebook it names is in the repository.
 from __future__ import annotations
 
 import ast
-import itertools
 import re
 from pathlib import Path
 
 import pytest
+from helpers.chapters import expand_braces
 
 pytestmark = pytest.mark.ch00
 
@@ -30,13 +30,6 @@ BOX_RE = re.compile(
     r"> \*\*Files\*\*: (?P<files>.+) · \*\*Notebook\*\*: (?P<notebook>.+) · \*\*Run\*\*: (?P<run>.+)"
     r" · \*\*vLLM\*\*: v[\d.]+"
 )
-
-
-def expand_braces(path: str) -> list[str]:
-    """`a/{b,c}.py` -> [`a/b.py`, `a/c.py`] (one level, any number of groups)."""
-    parts = re.split(r"\{([^{}]*)\}", path)
-    choices = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
-    return ["".join(combo) for combo in itertools.product(*choices)]
 
 
 def scope_names(node: ast.AST) -> dict[str, ast.AST]:

@@ -10,21 +10,18 @@ its capture. On a GPU (`gpu`): real graphs against eager execution.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-from typing import ClassVar
 
 import pytest
 import torch
-from conftest import make_vllm_config
-from test_llm import hf_greedy, make_prompts
+from helpers.checkpoints import make_vllm_config
+from helpers.compilation import FakeCUDAGraphWrapper, engine_with_fake_graphs, run_greedy
+from helpers.generation import hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.compilation.backends import split_graph
 from nano_v1.compilation.counter import compilation_counter
-from nano_v1.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper, GraphPool
 from nano_v1.config import CompilationConfig, CompilationLevel, CUDAGraphMode
-from nano_v1.engine.llm_engine import LLMEngine
 from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -245,26 +242,6 @@ def test_engine_args_accept_a_compilation_config(tiny_qwen3, value):
 
 
 # ------------------------------------------------------------------ capture and replay, faked
-class FakeCUDAGraphWrapper(CUDAGraphWrapper):
-    """Records captures and replays; a replay reruns the callable on the captured inputs and
-    writes into the captured outputs, which is what a real graph does to memory."""
-
-    events: ClassVar[list[tuple[str, str, int]]] = []
-
-    def capture(self, entry: CUDAGraphEntry, args: tuple):
-        self.events.append(("capture", self.runtime_mode.name, entry.batch_descriptor.num_tokens))
-        output = self.runnable(*args)
-        entry.graph = (args, output)  # keep the capture's tensors alive: a CPU has no graph pool
-        return output
-
-    def replay(self, entry: CUDAGraphEntry) -> None:
-        self.events.append(("replay", self.runtime_mode.name, entry.batch_descriptor.num_tokens))
-        args, captured = entry.graph
-        new = self.runnable(*args)
-        for old, fresh in zip(*(o if isinstance(o, tuple) else (o,) for o in (captured, new))):
-            old.copy_(fresh)
-
-
 @pytest.mark.ch08_t2
 def test_wrapper_captures_once_per_batch_size_then_replays_in_place(monkeypatch):
     monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
@@ -307,41 +284,6 @@ def test_wrapper_captures_once_per_batch_size_then_replays_in_place(monkeypatch)
     with pytest.raises(AssertionError, match="inputs moved"):
         call(torch.arange(4.0))  # same size, other memory: the graph would read stale inputs
     assert len(events) == 3, "a replay with inputs at other addresses must be refused, not run"
-
-
-def engine_with_fake_graphs(
-    path: str, mode: CUDAGraphMode, sizes: list[int], monkeypatch, attention_backend: str = "TORCH_REFERENCE"
-) -> LLMEngine:
-    """A CPU engine that runs the runner's padding, capture and dispatch with fake graphs."""
-    vllm_config = make_vllm_config(
-        path, dtype="float32", max_num_seqs=8, compilation_config={"level": 3},
-        attention_backend=attention_backend,
-    )  # fmt: skip
-    vllm_config.compilation_config = dataclasses.replace(
-        vllm_config.compilation_config, cudagraph_mode=mode, cudagraph_capture_sizes=sizes
-    )
-    vllm_config.compilation_config.max_capture_size = max(sizes)
-    monkeypatch.setattr(GPUModelRunner, "cudagraph_wrapper_cls", FakeCUDAGraphWrapper)
-    monkeypatch.setattr(GraphPool, "create", classmethod(lambda cls, device: None))
-    monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
-    seen = compilation_counter.num_graphs_seen
-    engine = LLMEngine(vllm_config)
-    # Its own trace and backend: nothing reused from another engine's compiled model.
-    assert compilation_counter.num_graphs_seen == seen + 1
-    return engine
-
-
-def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, list[int]]:
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(
-            f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=n)
-        )
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.outputs[0].token_ids
-    return tokens
 
 
 def test_piecewise_capture_at_start_up_then_replay_padded_sizes(

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from test_llm import prefix_cache_counters, shared_prefix_prompts
+from helpers.generation import prefix_cache_counters, shared_prefix_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.demo_model import DEMO_MODEL_PATH

@@ -1,7 +1,7 @@
 """Gemma 3 through the hybrid KV cache (chapter 12): greedy tokens equal transformers' exactly.
 
 The oracle is transformers' own Gemma3ForCausalLM in float32 on tiny random checkpoints
-saved to disk (tests/conftest.py::make_tiny_checkpoint): logits position by position, and
+saved to disk (tests/helpers/checkpoints.py::make_tiny_checkpoint): logits position by position, and
 `generate(do_sample=False)` one prompt at a time. nano_v1 loads the same files and runs
 the prompts as one batch with a 24-token window, shorter than most prompts and than the
 outputs, under settings that move the window across block and chunk boundaries, hit the
@@ -17,11 +17,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_checkpoint
-from test_compilation import FakeCUDAGraphWrapper, engine_with_fake_graphs, run_greedy
-from test_hybrid_kv_cache import expected_hybrid_hit
-from test_llm import hf_greedy, nano_greedy
-from test_model import PagedRunner, load_model
+from helpers.checkpoints import make_tiny_checkpoint
+from helpers.compilation import FakeCUDAGraphWrapper, engine_with_fake_graphs, run_greedy
+from helpers.generation import hf_greedy, nano_greedy
+from helpers.kv_cache import expected_hybrid_hit
+from helpers.model import PagedRunner, load_model
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.config import CUDAGraphMode

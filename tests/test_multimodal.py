@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_SHAPES
+from helpers.checkpoints import TINY_SHAPES
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.benchmarks.multimodal import random_image, write_tiny_llava
@@ -395,7 +395,7 @@ def test_text_prompt_with_image_tag_matches_transformers(llm, llava_llama):
 
 def test_chat_with_a_base64_image_through_the_openai_client(llava_llama):
     openai = pytest.importorskip("openai")
-    from test_api_server import ServerThread  # skips where the server's packages are missing
+    from helpers.servers import ServerThread  # skips where the server's packages are missing
     from transformers import AutoTokenizer
 
     img = random_image(10)

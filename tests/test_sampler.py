@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_sampling_metadata
+from helpers.sampling import make_sampling_metadata
 
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.sampler import Sampler, apply_top_k_top_p

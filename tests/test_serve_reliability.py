@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import wait_until_healthy
+from helpers.servers import wait_until_healthy
 
 import nano_v1
 from nano_v1 import LLM, SamplingParams

@@ -15,11 +15,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import make_sampling_metadata, make_scheduler, make_vllm_config
+from helpers.checkpoints import make_vllm_config
+from helpers.generation import hf_greedy
+from helpers.sampling import make_sampling_metadata
+from helpers.scheduler import make_requests, make_scheduler, reference_output, run_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_llm import hf_greedy
-from test_scheduler import make_requests, reference_output, run_workload
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.benchmarks.gpu_suite import SuiteContext

@@ -1,6 +1,6 @@
 """nano_v1's scheduler against vLLM v0.11.0's own, step by step, block ids included.
 
-The oracle is vLLM itself: tests/vllm_v0_11_0/record_traces.py drove v0.11.0's
+The oracle is vLLM itself: tests/helpers/record_traces.py drove v0.11.0's
 `Scheduler` and `KVCacheManager` through each workload on a fake model and wrote every
 step to tests/vllm_v0_11_0/traces/. Here nano_v1's scheduler gets the same requests,
 the same aborts, the same model outputs and the same draft tokens, and each step's
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kv_cache_configs import full_attention_kv_cache_config
-from vllm_v0_11_0.trace_fields import output_fields, schedule_fields, state_fields
+from helpers.kv_cache import full_attention_kv_cache_config
+from helpers.trace_fields import output_fields, schedule_fields, state_fields
 
 from nano_v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher

@@ -16,7 +16,7 @@ that environment and re-record, from the repository root:
     /work/vllm-venv/bin/pip install numpy 'transformers>=4.57,<4.58' pydantic msgspec \
         cloudpickle psutil cachetools cbor2 setproctitle pyzmq aiohttp blake3 pillow \
         prometheus_client fastapi openai openai_harmony pybase64 diskcache py-cpuinfo gguf
-    /work/vllm-venv/bin/python tests/vllm_v0_11_0/record_traces.py tests/vllm_v0_11_0/traces
+    /work/vllm-venv/bin/python tests/helpers/record_traces.py tests/vllm_v0_11_0/traces
 
 Torch comes first so that the `--no-deps` install cannot pull in the CUDA build that
 vLLM's wheel asks for (its scheduler does not care which). The packages after vllm are
@@ -527,7 +527,7 @@ def record(name: str, model_dir: str) -> dict:
         "vllm_version": VLLM_VERSION,
         "workload": name,
         "description": workload.description,
-        "recorder": "tests/vllm_v0_11_0/record_traces.py",
+        "recorder": "tests/helpers/record_traces.py",
         "config": config,
         "requests": requests,
         "steps": steps,

@@ -6,6 +6,10 @@ test process (its engine core still in a process of its own), so that a test can
 the engine core's utilities directly, e.g. to check that every KV block is free again
 after a request is aborted. It has no watchdog: when its engine core dies it keeps
 answering 503s (what `nano-v1 serve` does until it exits), so a test can look at them.
+`ServerThread` builds one from engine arguments and hands out `openai` clients.
+
+Importing this module skips the importing test (or module) where the serving stack is
+missing: the GPU image has none of it.
 """
 
 from __future__ import annotations
@@ -19,12 +23,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import prometheus_client
-import uvicorn
+import pytest
+
+for _package in ("openai", "fastapi", "uvicorn", "zmq", "msgspec"):
+    pytest.importorskip(_package)
+
+import openai  # noqa: E402
+import prometheus_client  # noqa: E402
+import uvicorn  # noqa: E402
 
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
 from nano_v1.entrypoints.openai.api_server import build_app, make_stat_loggers
+
+# Every client call's limit: a hang fails the test instead of stalling the suite.
+TIMEOUT_S = 60
 
 
 class BackgroundServer:
@@ -89,6 +102,14 @@ class BackgroundServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class ServerThread(BackgroundServer):
+    def __init__(self, **engine_kwargs) -> None:
+        super().__init__(EngineArgs(**engine_kwargs))
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
 
 
 def wait_until_healthy(
