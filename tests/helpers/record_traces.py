@@ -562,4 +562,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "traces"))
+    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parents[1] / "vllm_v0_11_0" / "traces"))
