@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 
 from helpers.servers import TIMEOUT_S, ServerThread, wait_until_healthy
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
 
 PROMPT = "def fibonacci(n):\n"
 ENGINE_KWARGS = dict(max_model_len=1024, block_size=16, num_gpu_blocks_override=512, dtype="float32")

@@ -375,6 +375,7 @@ def task_tests(report: dict, task_id: str) -> dict[str, dict]:
     return {nodeid: test for nodeid, test in report["tests"].items() if task_id in test["markers"]}
 
 
+@pytest.mark.slow
 def test_reference_passes_every_task(reference_report):
     assert reference_report["exitstatus"] == 0, reference_report["output"]
     for task in TASKS:
@@ -448,6 +449,7 @@ def variant_reports(request, reference_report, tmp_path_factory) -> dict[str, di
         return {name: report for share in pool.map(run_share, range(2)) for name, report in share.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_id", [t.task_id for t in TASKS])
 def test_stubbed_task_fails_all_its_tests(task_id, reference_report, variant_reports):
     expected = task_tests(reference_report, task_id)
@@ -462,6 +464,7 @@ def test_stubbed_task_fails_all_its_tests(task_id, reference_report, variant_rep
     assert any(f"NotImplementedError: {task_id}:" in message for message in messages), report["output"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_id", [t.task_id for t in TASKS if earlier_tasks(t.task_id)])
 def test_earlier_tasks_pass_without_later_ones(task_id, variant_reports):
     """Tasks are done in order, and each earns its point as soon as it works: with task
@@ -509,6 +512,7 @@ def test_a_rotten_mutant_fails_loudly():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutant_id", MUTANT_IDS)
 def test_mutant_is_caught(mutant_id, reference_report, variant_reports):
     """The task's tests fail with the planted bug, and the first failure teaches."""
@@ -529,6 +533,7 @@ def test_mutant_is_caught(mutant_id, reference_report, variant_reports):
         )
 
 
+@pytest.mark.slow
 def test_grade_teaches_with_partial_credit(reference_report, tmp_path):
     """The whole student loop: make a copy of ch04, implement ch04_t1 with a planted bug,
     leave ch04_t2 a stub, and grade it from inside the copy."""

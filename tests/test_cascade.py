@@ -435,6 +435,7 @@ def shared_prefix_reference(tiny_qwen3):
     return tiny_qwen3, prompts, hf_greedy(tiny_qwen3, prompts)
 
 
+@pytest.mark.slow
 def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatch):
     path, prompts, expected = shared_prefix_reference
     calls = _count_cascades(monkeypatch)
@@ -442,6 +443,7 @@ def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatc
     assert calls and set(calls) <= {16, 32, 48, 64} and 64 in calls
 
 
+@pytest.mark.slow
 def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, monkeypatch):
     pytest.importorskip(
         "nano_v1.attention.ops.triton_unified_attention", reason="the Triton kernels (chapter 06)"

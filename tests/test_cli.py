@@ -22,6 +22,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_generate_with_the_bundled_model():
     result = run_cli("generate", "def fibonacci(n):", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr

@@ -50,6 +50,7 @@ def compiled_llm(tiny_qwen3):
     return llm
 
 
+@pytest.mark.slow
 def test_a_process_compiles_more_engines_than_dynamos_recompile_limit(tiny_qwen3):
     # Each engine adds an entry to Dynamo's cache of the model class's forward; past the
     # limit (8 by default, 2 here to keep the test short) fullgraph=True would raise.
@@ -159,6 +160,7 @@ def test_split_module_equals_the_unsplit_model_at_every_size_with_one_trace(comp
     assert compilation_counter.num_graphs_seen == seen, "a new batch size made Dynamo trace again"
 
 
+@pytest.mark.slow
 def test_greedy_parity_with_compilation(compiled_llm, prompts_and_expected):
     prompts, expected = prompts_and_expected
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -314,6 +316,7 @@ def test_piecewise_capture_at_start_up_then_replay_padded_sizes(
     assert replayed == [padded[n] for n in steps if n <= 8]  # larger steps run without graphs
 
 
+@pytest.mark.slow
 def test_full_decode_graph_with_padding(tiny_qwen3, prompts_and_expected, monkeypatch):
     """FULL_AND_PIECEWISE: pure decode steps replay the whole-model graph over padded metadata."""
     # A FULL graph holds attention too: the Triton kernel (interpreted here, at a cost per

@@ -107,6 +107,7 @@ def test_detokenizer_never_splits_a_multibyte_character(llms):
     assert "".join(deltas) == tokenizer.decode(token_ids) == text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [
@@ -134,6 +135,7 @@ def test_multiprocess_matches_in_process(llms, params):
     assert engine_core.call_utility("get_kv_cache_usage") == 0.0
 
 
+@pytest.mark.slow
 def test_prefix_cache_metrics_cross_the_process_boundary(monkeypatch):
     """Each step's statistics ride on its outputs, also from steps that sample nothing."""
     # A 32-token budget chunks the prompts: some requests are admitted in steps that
@@ -337,6 +339,7 @@ def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop
     )
 
 
+@pytest.mark.slow
 def test_a_burst_of_3000_requests_all_finish(llms, monkeypatch):
     """Regression: libzmq's default queue limit (1,000 messages) made the ROUTER drop requests silently.
 
@@ -408,6 +411,7 @@ def readme_first_example() -> str:
     return code.replace("max_tokens=64", "max_tokens=4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [None, "spawn"], ids=["default", "spawn"])
 def test_readme_example_runs_as_a_plain_script(tmp_path, method):
     """No `if __name__ == "__main__":` guard, as most vLLM users write it: it must simply work.

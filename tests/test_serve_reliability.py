@@ -36,7 +36,7 @@ from helpers.servers import wait_until_healthy
 import nano_v1
 from nano_v1 import LLM, SamplingParams
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
