@@ -1,6 +1,6 @@
 """Multimodal measurements (notebook 11): the schedule of an image prompt, the encoder cache, the encoder budget.
 
-Mirrors no single vLLM file; the checkpoints are built the way tests/conftest.py builds
+Mirrors no single vLLM file; the checkpoints are built the way tests/helpers/checkpoints.py builds
 text ones (chapter 11).
 Needs a source checkout (`pip install .` installs only nano_v1): imported from its root.
 
@@ -43,7 +43,7 @@ def write_tiny_llava(
     `vision_shape`: CLIP's (hidden_size, num_hidden_layers, image_size, patch_size, ...).
     `weight_std`: redraw every matrix from N(0, std), so that greedy decoding of a random
     model is not a lottery of near-ties (None keeps transformers' init); at 0.15 the
-    tokens depend on the image, where at 0.08 (tests/conftest.py's value for text models)
+    tokens depend on the image, where at 0.08 (tests/helpers/checkpoints.py's value for text models)
     this model soon repeats one token whatever it is shown. With
     `with_tokenizer`, the demo model's tokenizer plus an `<image>` token (and its chat
     template) is saved too, and `<image>` is the image token; without, the image token is

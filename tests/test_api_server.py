@@ -22,28 +22,13 @@ import pytest
 # The server, its engine-core process and the official client; the GPU image has none of them.
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("zmq")
-pytest.importorskip("msgspec")
 
-from server_utils import BackgroundServer, wait_until_healthy
+from helpers.servers import TIMEOUT_S, ServerThread, stream_completion, wait_until_healthy, wait_until_idle
 
-from nano_v1.engine.arg_utils import EngineArgs
+pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
 
-pytestmark = pytest.mark.ch09
-
-TIMEOUT_S = 60
 PROMPT = "def fibonacci(n):\n"
 ENGINE_KWARGS = dict(max_model_len=1024, block_size=16, num_gpu_blocks_override=512, dtype="float32")
-
-
-class ServerThread(BackgroundServer):
-    def __init__(self, **engine_kwargs) -> None:
-        super().__init__(EngineArgs(**engine_kwargs))
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -58,31 +43,9 @@ def client(server) -> openai.OpenAI:
     return server.client()
 
 
-def wait_until_idle(server: ServerThread, within_s: float) -> None:
-    """All requests gone from the core and every KV block free again, within `within_s`."""
-    deadline = time.monotonic() + within_s
-    while server.call_utility("get_num_unfinished_requests") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.call_utility("get_num_unfinished_requests") == 0
-    assert server.call_utility("get_kv_cache_usage") == 0.0
-
-
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert httpx.get(f"{server.base_url}/health", timeout=TIMEOUT_S).status_code == 200
-
-
-def stream_completion(client, **kwargs) -> tuple[dict[int, str], dict[int, str]]:
-    """Concatenate the streamed text per choice; also return each choice's finish reason."""
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    for chunk in client.completions.create(model="demo", stream=True, **kwargs):
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + choice.text
-            if choice.finish_reason is not None:
-                assert choice.index not in reasons, "finish_reason sent twice"
-                reasons[choice.index] = choice.finish_reason
-    return texts, reasons
 
 
 def test_completion_stream_equals_non_stream(client):

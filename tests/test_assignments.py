@@ -4,12 +4,12 @@ The integrity check is the point of this file: for every task region in the sour
 student copy with only that task stubbed must fail every test carrying the task's marker
 (and import its own nano_v1, not the installed reference), while the reference tree
 passes them all. A task whose tests still pass against a stub is a task nobody can fail.
-Each task's planted bugs (assignment_mutants.py) must be caught too: a copy with one
+Each task's planted bugs (helpers/assignment_mutants.py) must be caught too: a copy with one
 mutant applied must fail at least one of the task's tests, with a message that says
 what is wrong.
 
 The variants (stubs and mutants) run in two copies of the repository, two at a time (CI
-has 2 cores), each copy rewritten in place per variant by variant_runner.py, which
+has 2 cores), each copy rewritten in place per variant by helpers/variant_runner.py, which
 forks every run from one interpreter that has imported torch once.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from assignment_mutants import MUTANTS
+from helpers.assignment_mutants import MUTANTS
 
 from nano_v1.assignments import (
     ASSIGNMENT_FILE,
@@ -321,7 +321,7 @@ class Variant:
 
 
 def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, dict]:
-    """Run each variant of `root` in turn (variant_runner.py); the plugin's reports, by name.
+    """Run each variant of `root` in turn (helpers/variant_runner.py); the plugin's reports, by name.
 
     Each report also holds the tail of its run's output, and must come from root's own nano_v1.
     """
@@ -335,7 +335,7 @@ def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, d
         log = str(work / f"{i}.log")
         jobs.append({"path": variant.path, "text": variant.text, "args": args, "log": log, "timeout": 300})
     (work / "jobs.json").write_text(json.dumps({"root": str(root), "jobs": jobs}))
-    runner = Path(__file__).with_name("variant_runner.py")
+    runner = Path(__file__).parent / "helpers" / "variant_runner.py"
     env = dict(os.environ, PYTHONPATH=str(root))
     result = subprocess.run(
         [sys.executable, str(runner), str(work / "jobs.json")],
@@ -375,6 +375,7 @@ def task_tests(report: dict, task_id: str) -> dict[str, dict]:
     return {nodeid: test for nodeid, test in report["tests"].items() if task_id in test["markers"]}
 
 
+@pytest.mark.slow
 def test_reference_passes_every_task(reference_report):
     assert reference_report["exitstatus"] == 0, reference_report["output"]
     for task in TASKS:
@@ -448,6 +449,7 @@ def variant_reports(request, reference_report, tmp_path_factory) -> dict[str, di
         return {name: report for share in pool.map(run_share, range(2)) for name, report in share.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_id", [t.task_id for t in TASKS])
 def test_stubbed_task_fails_all_its_tests(task_id, reference_report, variant_reports):
     expected = task_tests(reference_report, task_id)
@@ -462,6 +464,7 @@ def test_stubbed_task_fails_all_its_tests(task_id, reference_report, variant_rep
     assert any(f"NotImplementedError: {task_id}:" in message for message in messages), report["output"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_id", [t.task_id for t in TASKS if earlier_tasks(t.task_id)])
 def test_earlier_tasks_pass_without_later_ones(task_id, variant_reports):
     """Tasks are done in order, and each earns its point as soon as it works: with task
@@ -480,7 +483,7 @@ def test_every_task_has_at_least_three_mutants():
     for task in TASKS:
         names = [mutant.name for mutant in MUTANTS.get(task.task_id, [])]
         assert len(names) >= 3, (
-            f"{task.task_id} has {len(names)} mutants; plant at least 3 in assignment_mutants.py"
+            f"{task.task_id} has {len(names)} mutants; plant at least 3 in tests/helpers/assignment_mutants.py"
         )
         assert len(set(names)) == len(names), f"{task.task_id}: mutant names repeat"
 
@@ -509,6 +512,7 @@ def test_a_rotten_mutant_fails_loudly():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutant_id", MUTANT_IDS)
 def test_mutant_is_caught(mutant_id, reference_report, variant_reports):
     """The task's tests fail with the planted bug, and the first failure teaches."""
@@ -529,6 +533,7 @@ def test_mutant_is_caught(mutant_id, reference_report, variant_reports):
         )
 
 
+@pytest.mark.slow
 def test_grade_teaches_with_partial_credit(reference_report, tmp_path):
     """The whole student loop: make a copy of ch04, implement ch04_t1 with a planted bug,
     leave ch04_t2 a stub, and grade it from inside the copy."""

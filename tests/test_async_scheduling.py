@@ -5,9 +5,9 @@ does, with up to two steps in flight, over test_scheduler.py's fake model runner
 "model" is a function of the token history, so every output is known in advance). They
 check, after every schedule and every update, that placeholders stay bounded by the
 steps in flight and never reach an output or a cached block's hash. The cases of
-v0.11.0's tests/v1/core/test_async_scheduler.py are ported below them, and v0.11.0's own
-batch-queue loop and AsyncScheduler, recorded by tests/vllm_v0_11_0/record_traces.py,
-are replayed through nano_v1's field by field, placeholders included. The engine tests
+v0.11.0's tests/v1/core/test_async_scheduler.py are ported below them (v0.11.0's own
+batch-queue loop and AsyncScheduler, recorded by tests/helpers/record_traces.py, are
+replayed in test_vllm_traces.py, field by field, placeholders included). The engine tests
 compare greedy (and seeded) outputs with and without async scheduling through `LLM`,
 with the worker in its own process so that the steps really overlap.
 """
@@ -15,32 +15,19 @@ with the worker in its own process so that the steps really overlap.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import threading
 from collections import deque
-from pathlib import Path
 
 import openai
 import pytest
-from conftest import make_scheduler, make_tiny_checkpoint
+from helpers.checkpoints import make_tiny_checkpoint
+from helpers.cli import run_cli
+from helpers.engine_core import LoopOnlyCore, start_input_loop, wait
+from helpers.scheduler import FakeModelRunner, make_requests, make_scheduler, reference_output
+from helpers.servers import BackgroundServer, stream_completion, wait_until_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_utils import BackgroundServer
-from test_api_server import stream_completion, wait_until_idle
-from test_cli import run_cli
-from test_engine_core_proc import LoopOnlyCore, start_input_loop, wait
-from test_scheduler import FakeModelRunner, make_requests, reference_output
-from test_vllm_traces import STATE_FIELDS, compare
-from test_vllm_traces import build_scheduler as build_trace_scheduler
-from test_vllm_traces import make_request as make_trace_request
-from vllm_v0_11_0.trace_fields import (
-    PendingOutput,
-    output_fields,
-    placeholder_fields,
-    schedule_fields,
-    state_fields,
-)
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
@@ -48,7 +35,6 @@ from nano_v1.core.sched.async_scheduler import AsyncScheduler
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
-from nano_v1.engine.core import EngineCore
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import UniProcExecutor
 from nano_v1.executor.multiproc_executor import MultiprocExecutor
@@ -380,92 +366,6 @@ def test_synchronous_scheduler_never_has_placeholders():
         assert all(r.num_output_placeholders == 0 for r in sched.requests.values())
         sched.update_from_output(scheduler_output, runner.execute_model(scheduler_output))
     assert all(r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens) for r in requests)
-
-
-# ---------------------------------------------------------------------- vLLM v0.11.0's traces
-ASYNC_TRACES = Path(__file__).parent / "vllm_v0_11_0" / "traces" / "async"
-ASYNC_WORKLOADS = sorted(path.stem for path in ASYNC_TRACES.glob("*.json"))
-
-
-class TraceExecutor:
-    """Hands back, for the step scheduled in the current trace step, the recorded model output."""
-
-    def __init__(self) -> None:
-        self.entry: dict = {}
-
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> PendingOutput:
-        assert non_block
-        model_output = self.entry["model_output"]
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        return PendingOutput(
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=[list(model_output[rid]) for rid in req_ids],
-            )
-        )
-
-
-def replay_async(trace: dict) -> None:
-    """Drive nano_v1's `EngineCore.step_with_batch_queue` and `AsyncScheduler` through a trace of
-    v0.11.0's; raise TraceMismatch at the first field that differs. Each trace step is one
-    call of the loop: what it scheduled (or None), the outputs of the step it waited for (or
-    None), and the state it left, placeholders included."""
-    workload, config = "async/" + trace["workload"], trace["config"]
-    sched = build_trace_scheduler(config, async_scheduling=True)
-    block_hasher = get_request_block_hasher(config["block_size"]) if config["enable_prefix_caching"] else None
-    specs = {spec["req_id"]: spec for spec in trace["requests"]}
-    executor = TraceExecutor()
-    core = EngineCore.__new__(EngineCore)  # the loop's state only: no model, no workers
-    core.scheduler, core.model_executor = sched, executor
-    core.batch_queue_size = 2
-    core.batch_queue = deque(maxlen=2)
-    scheduled: list[dict] = []
-    schedule = sched.schedule
-
-    def recording_schedule() -> SchedulerOutput:
-        was_running = [r.request_id for r in sched.running]
-        scheduler_output = schedule()
-        scheduled.append(schedule_fields(sched, scheduler_output, was_running))
-        return scheduler_output
-
-    sched.schedule = recording_schedule
-    for entry in trace["steps"]:
-        step = entry["step"]
-        for req_id in entry["arrivals"]:
-            sched.add_request(make_trace_request(specs[req_id], block_hasher))
-        for req_id in entry["aborts"]:
-            sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-        scheduled.clear()
-        executor.entry = entry
-        engine_outputs = core.step_with_batch_queue()
-        actual = {
-            "schedule": scheduled[0] if scheduled else None,
-            "outputs": None if engine_outputs is None else output_fields(engine_outputs.outputs),
-        }
-        compare(workload, step, entry, actual, ("schedule", "outputs"), {"schedule", "outputs"})
-        after = dict(state_fields(sched), **placeholder_fields(sched))
-        fields = (*STATE_FIELDS, "after.num_output_placeholders")
-        compare(workload, step, entry["after"], after, fields, set(fields))
-    assert not sched.has_unfinished_requests() and not core.batch_queue, (
-        f"{workload}: nano_v1 has work left after the trace's last step"
-    )
-
-
-def test_async_traces_are_v0_11_0s_and_overlap():
-    assert len(ASYNC_WORKLOADS) >= 10
-    for workload in ASYNC_WORKLOADS:
-        trace = json.loads((ASYNC_TRACES / f"{workload}.json").read_text())
-        assert trace["vllm_version"] == "0.11.0" and trace["workload"] == workload
-        assert any(s["schedule"] and s["outputs"] is not None for s in trace["steps"]), (
-            f"{workload}: no step was scheduled while the one before it ran"
-        )
-
-
-@pytest.mark.parametrize("workload", ASYNC_WORKLOADS)
-def test_async_replay_matches_vllm(workload):
-    """Every recorded field of every call of the batch-queue loop, block ids and placeholders included."""
-    replay_async(json.loads((ASYNC_TRACES / f"{workload}.json").read_text()))
 
 
 # ---------------------------------------------------------------------- configuration

@@ -1,6 +1,6 @@
 """The reference paged attention ops against naive float64 attention on contiguous K/V.
 
-The batches and the oracle are in tests/attention_utils.py: ragged batches mixing
+The batches and the oracle are in tests/helpers/attention.py: ragged batches mixing
 prefills, prefill chunks in the middle of a context and decodes, scattered over shuffled
 cache blocks, against float64 attention on each request's contiguous keys and values.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from attention_utils import assert_matches_naive, check_reshape_and_cache, make_paged_batch, random_batch
+from helpers.attention import assert_matches_naive, check_reshape_and_cache, make_paged_batch, random_batch
 
 from nano_v1.attention.ops.reference import plan_batch_split, reshape_and_cache_flash, unified_attention
 

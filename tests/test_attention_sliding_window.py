@@ -1,6 +1,6 @@
 """Sliding-window attention (chapter 12): the reference and the Triton kernel against float64.
 
-The oracle is tests/attention_utils.py's float64 attention with a window mask (query at p
+The oracle is tests/helpers/attention.py's float64 attention with a window mask (query at p
 sees keys p - w + 1 .. p). The batches mix decodes, prefills and chunks, with windows
 shorter and longer than the contexts and than a block. Everything older than each
 request's first query's window is made unreadable, as a sliding-window KV cache manager
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from attention_utils import assert_matches_naive, make_paged_batch, poison_outside_windows, random_batch
+from helpers.attention import assert_matches_naive, make_paged_batch, poison_outside_windows, random_batch
 
 from nano_v1.attention.ops import reference
 from nano_v1.attention.ops.triton_unified_attention import unified_attention as triton_unified_attention

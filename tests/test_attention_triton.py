@@ -1,6 +1,6 @@
 """The Triton attention kernels against float64 attention, in Triton's interpreter on a CPU.
 
-Each kernel sees fresh random ragged batches (tests/attention_utils.py): prefills, prefill
+Each kernel sees fresh random ragged batches (tests/helpers/attention.py): prefills, prefill
 chunks and decodes together over shuffled cache blocks, GQA groups 1/2/4, head sizes 64
 and 128, causal or not, float32/float16/bfloat16. Outputs start as NaN, so an element the
 kernel should write and does not fails the comparison; padding rows must stay NaN.
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from attention_utils import (
+from helpers.attention import (
     assert_matches_naive,
     check_reshape_and_cache,
     make_paged_batch,

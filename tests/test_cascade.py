@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_vllm_config
-from test_llm import MAX_NEW, hf_greedy, make_prompts
+from helpers.checkpoints import make_vllm_config
+from helpers.generation import MAX_NEW, hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.attention.backends import flash_attn
@@ -428,6 +428,7 @@ def shared_prefix_reference(tiny_qwen3):
     return tiny_qwen3, prompts, hf_greedy(tiny_qwen3, prompts)
 
 
+@pytest.mark.slow
 def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatch):
     path, prompts, expected = shared_prefix_reference
     calls = _count_cascades(monkeypatch)
@@ -435,6 +436,7 @@ def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatc
     assert calls and set(calls) <= {16, 32, 48, 64} and 64 in calls
 
 
+@pytest.mark.slow
 def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, monkeypatch):
     pytest.importorskip(
         "nano_v1.attention.ops.triton_unified_attention", reason="the Triton kernels (chapter 06)"
@@ -450,7 +452,7 @@ def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, mon
 @pytest.mark.ch07_t3
 def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
     """No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
-    from conftest import make_tiny_checkpoint
+    from helpers.checkpoints import make_tiny_checkpoint
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_checkpoint(tmp_path, "qwen3", num_key_value_heads=4)

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.chapters import expand_braces
 
 pytestmark = pytest.mark.ch00
 
@@ -31,13 +32,6 @@ BOX_RE = re.compile(
     r"> \*\*Files\*\*: (?P<files>.+) · \*\*Notebook\*\*: (?P<notebook>.+) · \*\*Run\*\*: (?P<run>.+)"
     r" · \*\*vLLM\*\*: v[\d.]+"
 )
-
-
-def expand_braces(path: str) -> list[str]:
-    """`a/{b,c}.py` -> [`a/b.py`, `a/c.py`] (one level, any number of groups)."""
-    parts = re.split(r"\{([^{}]*)\}", path)
-    choices = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
-    return ["".join(combo) for combo in itertools.product(*choices)]
 
 
 def scope_names(node: ast.AST) -> dict[str, ast.AST]:

@@ -10,21 +10,18 @@ its capture. On a GPU (`gpu`): real graphs against eager execution.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-from typing import ClassVar
 
 import pytest
 import torch
-from conftest import make_vllm_config
-from test_llm import hf_greedy, make_prompts
+from helpers.checkpoints import make_vllm_config
+from helpers.compilation import FakeCUDAGraphWrapper, engine_with_fake_graphs, run_greedy
+from helpers.generation import hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.compilation.backends import split_graph
 from nano_v1.compilation.counter import compilation_counter
-from nano_v1.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper, GraphPool
 from nano_v1.config import CompilationConfig, CompilationLevel, CUDAGraphMode
-from nano_v1.engine.llm_engine import LLMEngine
 from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -53,6 +50,7 @@ def compiled_llm(tiny_qwen3):
     return llm
 
 
+@pytest.mark.slow
 def test_a_process_compiles_more_engines_than_dynamos_recompile_limit(tiny_qwen3):
     # Each engine adds an entry to Dynamo's cache of the model class's forward; past the
     # limit (8 by default, 2 here to keep the test short) fullgraph=True would raise.
@@ -162,6 +160,7 @@ def test_split_module_equals_the_unsplit_model_at_every_size_with_one_trace(comp
     assert compilation_counter.num_graphs_seen == seen, "a new batch size made Dynamo trace again"
 
 
+@pytest.mark.slow
 def test_greedy_parity_with_compilation(compiled_llm, prompts_and_expected):
     prompts, expected = prompts_and_expected
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -245,26 +244,6 @@ def test_engine_args_accept_a_compilation_config(tiny_qwen3, value):
 
 
 # ------------------------------------------------------------------ capture and replay, faked
-class FakeCUDAGraphWrapper(CUDAGraphWrapper):
-    """Records captures and replays; a replay reruns the callable on the captured inputs and
-    writes into the captured outputs, which is what a real graph does to memory."""
-
-    events: ClassVar[list[tuple[str, str, int]]] = []
-
-    def capture(self, entry: CUDAGraphEntry, args: tuple):
-        self.events.append(("capture", self.runtime_mode.name, entry.batch_descriptor.num_tokens))
-        output = self.runnable(*args)
-        entry.graph = (args, output)  # keep the capture's tensors alive: a CPU has no graph pool
-        return output
-
-    def replay(self, entry: CUDAGraphEntry) -> None:
-        self.events.append(("replay", self.runtime_mode.name, entry.batch_descriptor.num_tokens))
-        args, captured = entry.graph
-        new = self.runnable(*args)
-        for old, fresh in zip(*(o if isinstance(o, tuple) else (o,) for o in (captured, new))):
-            old.copy_(fresh)
-
-
 @pytest.mark.ch08_t2
 def test_wrapper_captures_once_per_batch_size_then_replays_in_place(monkeypatch):
     monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
@@ -309,41 +288,6 @@ def test_wrapper_captures_once_per_batch_size_then_replays_in_place(monkeypatch)
     assert len(events) == 3, "a replay with inputs at other addresses must be refused, not run"
 
 
-def engine_with_fake_graphs(
-    path: str, mode: CUDAGraphMode, sizes: list[int], monkeypatch, attention_backend: str = "TORCH_REFERENCE"
-) -> LLMEngine:
-    """A CPU engine that runs the runner's padding, capture and dispatch with fake graphs."""
-    vllm_config = make_vllm_config(
-        path, dtype="float32", max_num_seqs=8, compilation_config={"level": 3},
-        attention_backend=attention_backend,
-    )  # fmt: skip
-    vllm_config.compilation_config = dataclasses.replace(
-        vllm_config.compilation_config, cudagraph_mode=mode, cudagraph_capture_sizes=sizes
-    )
-    vllm_config.compilation_config.max_capture_size = max(sizes)
-    monkeypatch.setattr(GPUModelRunner, "cudagraph_wrapper_cls", FakeCUDAGraphWrapper)
-    monkeypatch.setattr(GraphPool, "create", classmethod(lambda cls, device: None))
-    monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
-    seen = compilation_counter.num_graphs_seen
-    engine = LLMEngine(vllm_config)
-    # Its own trace and backend: nothing reused from another engine's compiled model.
-    assert compilation_counter.num_graphs_seen == seen + 1
-    return engine
-
-
-def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, list[int]]:
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(
-            f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=n)
-        )
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.outputs[0].token_ids
-    return tokens
-
-
 def test_piecewise_capture_at_start_up_then_replay_padded_sizes(
     tiny_qwen3, prompts_and_expected, monkeypatch
 ):
@@ -372,10 +316,13 @@ def test_piecewise_capture_at_start_up_then_replay_padded_sizes(
     assert replayed == [padded[n] for n in steps if n <= 8]  # larger steps run without graphs
 
 
+@pytest.mark.slow
 def test_full_decode_graph_with_padding(tiny_qwen3, prompts_and_expected, monkeypatch):
     """FULL_AND_PIECEWISE: pure decode steps replay the whole-model graph over padded metadata."""
-    prompts, expected = prompts_and_expected
-    # A FULL graph holds attention too: the Triton kernel (interpreted here), which plans on the device.
+    # A FULL graph holds attention too: the Triton kernel (interpreted here, at a cost per
+    # token), which plans on the device. Prompts of up to 3 blocks of 16 are enough for that.
+    prompts = [p[:40] for p in prompts_and_expected[0]]
+    expected = hf_greedy(tiny_qwen3, prompts, MAX_NEW)
     engine = engine_with_fake_graphs(
         tiny_qwen3,
         CUDAGraphMode.FULL_AND_PIECEWISE,

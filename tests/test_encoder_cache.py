@@ -17,10 +17,10 @@ import random
 import types
 
 import pytest
+from helpers.kv_cache import full_attention_kv_cache_config
+from helpers.scheduler import VOCAB, FakeModelRunner, check_kv_invariants, reference_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_cache_configs import full_attention_kv_cache_config
-from test_scheduler import VOCAB, FakeModelRunner, check_kv_invariants, reference_output
 
 from nano_v1.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
 from nano_v1.core import kv_cache_utils

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,8 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from test_llm import prefix_cache_counters, shared_prefix_prompts
+from helpers.engine_core import LoopOnlyCore, QueueOnlyCore, start_input_loop, wait
+from helpers.generation import prefix_cache_counters, shared_prefix_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.demo_model import DEMO_MODEL_PATH
@@ -34,10 +33,9 @@ from nano_v1.engine import (
     EngineCoreRequestType,
     UtilityOutput,
 )
-from nano_v1.engine.exceptions import EngineDeadError
-from nano_v1.engine.core import EngineCoreProc
 from nano_v1.engine.core_client import InprocClient, SyncMPClient
 from nano_v1.engine.detokenizer import IncrementalDetokenizer
+from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.engine.output_processor import OutputProcessor
 from nano_v1.sampling_params import RequestOutputKind
 from nano_v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -107,6 +105,7 @@ def test_detokenizer_never_splits_a_multibyte_character(llms):
     assert "".join(deltas) == tokenizer.decode(token_ids) == text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [
@@ -134,6 +133,7 @@ def test_multiprocess_matches_in_process(llms, params):
     assert engine_core.call_utility("get_kv_cache_usage") == 0.0
 
 
+@pytest.mark.slow
 def test_prefix_cache_metrics_cross_the_process_boundary(monkeypatch):
     """Each step's statistics ride on its outputs, also from steps that sample nothing."""
     # A 32-token budget chunks the prompts: some requests are admitted in steps that
@@ -180,60 +180,6 @@ def test_killed_engine_core_fails_generate_fast(monkeypatch):
 
 
 # ---------------------------------------------------------------- the busy loop, without sockets
-class QueueOnlyCore(EngineCoreProc):
-    """The busy loop's pieces over its two queues, with a stand-in scheduler and no model:
-    `add_request` makes the core busy, `abort_requests` and utility calls are recorded."""
-
-    def __init__(self) -> None:  # no model, no sockets, no IO threads
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
-        self.added: list[str] = []
-        self.aborted: list[str] = []
-        self.scheduler = types.SimpleNamespace(has_unfinished_requests=lambda: bool(self.added))
-        self.batch_queue = None  # no step in flight (chapter 14)
-
-    def add_request(self, request) -> None:
-        self.added.append(request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.aborted += request_ids
-
-    def double(self, x: int) -> int:
-        return 2 * x
-
-
-class LoopOnlyCore(QueueOnlyCore):
-    """Handles ADD and ABORT itself, so that the input loop's tests (ch09_t1) do not depend
-    on `_handle_client_request` (ch09_t2)."""
-
-    def _handle_client_request(self, request_type: EngineCoreRequestType, request) -> None:
-        if request_type == EngineCoreRequestType.ADD:
-            self.added.append(request)
-        else:
-            self.aborted += request
-
-
-def start_input_loop(core: QueueOnlyCore) -> tuple[threading.Thread, list[BaseException]]:
-    """`core._process_input_queue()` in a thread; what it raises lands in the list."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            core._process_input_queue()
-        except BaseException as error:  # noqa: BLE001  (re-raised in the test's own thread)
-            errors.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, errors
-
-
-def wait(thread: threading.Thread, errors: list[BaseException], seconds: float) -> None:
-    thread.join(timeout=seconds)
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.ch09_t1
 def test_idle_core_waits_for_a_request_without_spinning():
     core = LoopOnlyCore()
@@ -338,6 +284,7 @@ def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop
     )
 
 
+@pytest.mark.slow
 def test_a_burst_of_3000_requests_all_finish(llms, monkeypatch):
     """Regression: libzmq's default queue limit (1,000 messages) made the ROUTER drop requests silently.
 
@@ -409,6 +356,7 @@ def readme_first_example() -> str:
     return code.replace("max_tokens=64", "max_tokens=4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [None, "spawn"], ids=["default", "spawn"])
 def test_readme_example_runs_as_a_plain_script(tmp_path, method):
     """No `if __name__ == "__main__":` guard, as most vLLM users write it: it must simply work.

@@ -1,7 +1,7 @@
 """Gemma 3 through the hybrid KV cache (chapter 12): greedy tokens equal transformers' exactly.
 
 The oracle is transformers' own Gemma3ForCausalLM in float32 on tiny random checkpoints
-saved to disk (tests/conftest.py::make_tiny_checkpoint): logits position by position, and
+saved to disk (tests/helpers/checkpoints.py::make_tiny_checkpoint): logits position by position, and
 `generate(do_sample=False)` one prompt at a time. nano_v1 loads the same files and runs
 the prompts as one batch with a 24-token window, shorter than most prompts and than the
 outputs, under settings that move the window across block and chunk boundaries, hit the
@@ -17,11 +17,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_checkpoint
-from test_compilation import FakeCUDAGraphWrapper, engine_with_fake_graphs, run_greedy
-from test_hybrid_kv_cache import expected_hybrid_hit
-from test_llm import hf_greedy, nano_greedy
-from test_model import PagedRunner, load_model
+from helpers.checkpoints import make_tiny_checkpoint
+from helpers.compilation import FakeCUDAGraphWrapper, engine_with_fake_graphs, run_greedy
+from helpers.generation import hf_greedy, nano_greedy
+from helpers.kv_cache import expected_hybrid_hit
+from helpers.model import PagedRunner, load_model
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.config import CUDAGraphMode
@@ -77,6 +77,7 @@ def test_logits_match_transformers_position_by_position(tiny_gemma3):
     torch.testing.assert_close(second[31:], expected[1][7:8], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_layers_form_hybrid_groups_with_one_shared_pool(hf_reference):
     path, prompts, expected = hf_reference
     got, _ = nano_greedy(path, prompts, MAX_NEW)
@@ -105,6 +106,7 @@ def test_layers_form_hybrid_groups_with_one_shared_pool(hf_reference):
     assert len(runner.input_batch.block_table.block_tables) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -153,6 +155,7 @@ def test_small_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_have_the_rules_length(tiny_gemma3):
     prompts = gemma3_prompts(1, lengths=(50, 77))
     shared = prompts[0][:40]
@@ -188,6 +191,7 @@ def test_triton_backend_in_the_interpreter(hf_reference):
     assert got == [expected[2][:12]]
 
 
+@pytest.mark.slow
 def test_gemma_pattern_of_five_to_one(tmp_path):
     """Real Gemma 3's layer pattern (every sixth layer global): six groups of one layer, one tensor."""
     path = make_tiny_checkpoint(tmp_path / "g", "gemma3", num_hidden_layers=6, layer_types=None)
@@ -200,6 +204,7 @@ def test_gemma_pattern_of_five_to_one(tmp_path):
     assert len(config.kv_cache_groups) == 6 and len(config.kv_cache_tensors) == 1
 
 
+@pytest.mark.slow
 def test_piecewise_graphs_with_hybrid_groups(hf_reference, monkeypatch):
     path, prompts, expected = hf_reference
     engine = engine_with_fake_graphs(path, CUDAGraphMode.PIECEWISE, [1, 2, 4, 8], monkeypatch)

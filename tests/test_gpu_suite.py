@@ -41,6 +41,7 @@ def smoke_report(tmp_path_factory):
     return out, json.loads((out / "gpu_suite.json").read_text())
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_measurement(smoke_report):
     out, report = smoke_report
     assert report["benchmark"] == "gpu_suite" and report["smoke"] is True
@@ -57,6 +58,7 @@ def test_smoke_run_writes_every_measurement(smoke_report):
     assert all(f"[{name}]" in log for name in records)
 
 
+@pytest.mark.slow
 def test_smoke_results_are_complete_and_consistent(smoke_report):
     _, report = smoke_report
     records = report["measurements"]
@@ -154,6 +156,7 @@ def test_a_decode_sweep_of_one_row_does_not_shrink_the_workload(tmp_path):
     assert gpu_suite.throughput_workload(ctx, shape)[1]["num_prompts"] >= 128
 
 
+@pytest.mark.slow
 def test_engines_capture_graphs_for_exactly_the_step_sizes_they_time(tmp_path, monkeypatch):
     # Resolved as on CUDA: a step size without its graph runs eagerly (a biased row), and a
     # graph for a size never timed costs capture time before the first row.

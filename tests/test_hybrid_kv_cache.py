@@ -21,11 +21,18 @@ import types
 import numpy as np
 import pytest
 import torch
+from helpers.kv_cache import (
+    BLOCK_SIZE,
+    HEADS,
+    expected_hybrid_hit,
+    hybrid_kv_cache_config,
+    make_request,
+    queue_ids,
+    sliding_window_hit_length,
+)
+from helpers.scheduler import make_requests, make_scheduler, next_token, reference_output, run_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_cache_configs import HEADS, hybrid_kv_cache_config
-from test_kv_cache import BLOCK_SIZE, make_request, queue_ids
-from test_scheduler import make_requests, make_scheduler, next_token, reference_output, run_workload
 
 from nano_v1.core.block_pool import BlockPool
 from nano_v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
@@ -292,20 +299,6 @@ def test_planted_bugs_in_remove_skipped_blocks_are_caught(bug, monkeypatch):
 # ----------------------------------------------------------------------------- ch12_t2: hits from the right
 
 
-def sliding_window_hit_length(
-    cached: list[bool], window: int, max_length: int, block_size: int = BLOCK_SIZE
-) -> int:
-    """Brute force, in blocks: the most blocks j whose last ceil((w - 1) / block_size) blocks (all j, if
-    fewer) are cached.
-
-    A hit of j blocks means the next token computed is at j * block_size; its window needs
-    keys back to j * block_size - (w - 1), and nothing older.
-    """
-    needed = -(-(window - 1) // block_size)
-    max_blocks = max_length // block_size
-    return max(j for j in range(max_blocks + 1) if all(cached[max(0, j - needed) : j]))
-
-
 def pool_with_cached_blocks(cached: list[list[bool]]) -> tuple[BlockPool, list, list[list]]:
     """A pool in which block j of one request's prefix is cached in group g iff `cached[g][j]`.
 
@@ -448,22 +441,6 @@ def test_planted_bugs_in_the_hit_search_are_caught(bug):
 
 
 # ----------------------------------------------------------------------------- the coordinator's hits
-
-
-def expected_hybrid_hit(manager: KVCacheManager, request) -> int:
-    """The hybrid rule from the pool's index: full attention's leading run (never the last token),
-    then the sliding-window rule within it, a block counting only if every sliding group has it."""
-    coordinator, pool, block_size = manager.coordinator, manager.block_pool, manager.block_size
-    max_blocks = (request.num_tokens - 1) // block_size
-    hashes = request.block_hashes
-    full_run = 0
-    while full_run < max_blocks and pool.get_cached_block(
-        hashes[full_run], coordinator.full_attention_group_ids
-    ):
-        full_run += 1
-    in_all = [pool.get_cached_block(h, coordinator.other_group_ids) is not None for h in hashes[:full_run]]
-    window = coordinator.other_spec.sliding_window
-    return block_size * sliding_window_hit_length(in_all, window, full_run * block_size, block_size)
 
 
 def run_to_completion(manager: KVCacheManager, request, num_decodes: int) -> None:

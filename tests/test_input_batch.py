@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers
-from conftest import TINY_SHAPES, make_vllm_config
-from kv_cache_configs import full_attention_kv_cache_config
+from helpers.checkpoints import TINY_SHAPES, make_vllm_config
+from helpers.kv_cache import full_attention_kv_cache_config
 from torch import nn
 
 from nano_v1.config import VllmConfig

@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-from conftest import make_scheduler
+from helpers.kv_cache import BLOCK_SIZE, full_attention_kv_cache_config, make_request, queue_ids
+from helpers.scheduler import FakeModelRunner, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_cache_configs import full_attention_kv_cache_config
-from test_scheduler import FakeModelRunner
 
 from nano_v1.core.block_pool import BlockPool
 from nano_v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -24,7 +23,6 @@ from nano_v1.core.kv_cache_utils import (
     BlockHash,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
-    get_request_block_hasher,
     hash_block_tokens,
     make_block_hash_with_group_id,
 )
@@ -33,24 +31,6 @@ from nano_v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
-
-BLOCK_SIZE = 4
-
-
-def make_request(
-    request_id: str, prompt: list[int], block_size: int = BLOCK_SIZE, max_tokens: int = 1000
-) -> Request:
-    return Request(
-        request_id,
-        list(prompt),
-        SamplingParams(max_tokens=max_tokens),
-        eos_token_id=None,
-        block_hasher=get_request_block_hasher(block_size),
-    )
-
-
-def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
-    return [block.block_id for block in queue.get_all_free_blocks()]
 
 
 def make_manager(num_gpu_blocks: int, max_model_len: int, enable_caching: bool = True) -> KVCacheManager:

@@ -11,42 +11,19 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+from helpers.generation import (
+    MAX_NEW,
+    hf_greedy,
+    make_prompts,
+    nano_greedy,
+    prefix_cache_counters,
+    shared_prefix_prompts,
+)
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.sched.scheduler import Scheduler
-from nano_v1.metrics.reader import Counter
 
 pytestmark = pytest.mark.ch01
-
-MAX_NEW = 20
-
-
-def make_prompts(seed: int, vocab: int = 512, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
-    lengths = [1, 5, 17, 40, 95, 150]  # from one token to many blocks
-    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int = MAX_NEW) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
-def nano_greedy(path: str, prompts: list[list[int]], max_new_tokens: int = MAX_NEW, **engine_args):
-    llm = LLM(model=path, dtype="float32", **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs], outputs
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +39,14 @@ def test_default_settings_match_transformers(hf_reference):
     assert [o.prompt_token_ids for o in outputs] == prompts  # input order kept
 
 
+@pytest.mark.slow
 def test_tiny_token_budget_forces_chunked_prefill(hf_reference):
     path, prompts, expected = hf_reference
     got, _ = nano_greedy(path, prompts, max_num_batched_tokens=16)
     assert got == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_block_sizes(hf_reference, block_size):
     path, prompts, expected = hf_reference
@@ -75,6 +54,7 @@ def test_block_sizes(hf_reference, block_size):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_small_kv_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     path, prompts, expected = hf_reference
     preempted = []
@@ -86,6 +66,7 @@ def test_small_kv_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_prefix_caching_hits_and_matches(tiny_qwen3):
     prompts = make_prompts(1, shared_prefix=70)
     expected = hf_greedy(tiny_qwen3, prompts)
@@ -108,18 +89,6 @@ def test_prefix_caching_off_reports_no_hits(tiny_qwen3):
     assert all(o.num_cached_tokens == 0 for o in again)
 
 
-def shared_prefix_prompts(seed: int, block_size: int = 16) -> list[list[int]]:
-    """Prompts that hit 0, some or all of a 3-block shared prefix, repeat, or miss entirely."""
-    rng = random.Random(seed)
-
-    def own(n: int) -> list[int]:
-        return [rng.randrange(3, 512) for _ in range(n)]
-
-    prefix = own(3 * block_size)
-    repeated = prefix + own(20)
-    return [prefix + own(5), repeated, prefix[: 2 * block_size], repeated, own(30), prefix[:20] + own(10)]
-
-
 def expected_prefix_cache_hits(prompts: list[list[int]], block_size: int) -> list[int]:
     """Brute force: the tokens each prompt finds cached when each runs after the ones before it.
 
@@ -140,12 +109,6 @@ def expected_prefix_cache_hits(prompts: list[list[int]], block_size: int) -> lis
         hits.append(num_blocks * block_size)
         cached.update(tuple(prompt[: (i + 1) * block_size]) for i in range(len(prompt) // block_size))
     return hits
-
-
-def prefix_cache_counters(llm: LLM) -> tuple[int, int]:
-    """(`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`) from `LLM.get_metrics()`."""
-    counters = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
-    return counters["vllm:prefix_cache_queries"], counters["vllm:prefix_cache_hits"]
 
 
 @pytest.mark.ch03
@@ -186,6 +149,7 @@ def test_prefix_cache_metrics_ignore_admissions_that_failed(tiny_qwen3):
     assert prefix_cache_counters(llm) == (3 * 40, 0)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_the_batch(tiny_qwen3):
     llm = LLM(model=tiny_qwen3, dtype="float32", max_num_batched_tokens=32)
     prompt = {"prompt_token_ids": make_prompts(2)[4]}
@@ -211,6 +175,7 @@ def test_n_completions_and_max_tokens(tiny_qwen3):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds, distinct samples
 
 
+@pytest.mark.slow
 def test_min_tokens_holds_back_eos(tiny_qwen3):
     """With EOS forced to be the likeliest token, min_tokens still yields min_tokens tokens."""
     llm = LLM(model=tiny_qwen3, dtype="float32")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_SHAPES
+from helpers.checkpoints import TINY_SHAPES
 
 from benchmarks.multimodal import random_image, write_tiny_llava
 from nano_v1 import LLM, SamplingParams
@@ -144,6 +144,7 @@ def llm(llava_llama) -> LLM:
     return LLM(model=llava_llama, dtype="float32")
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(llm, llama_reference):
     prompts, expected = llama_reference
     got, outputs = nano_greedy(llm, prompts)
@@ -151,6 +152,7 @@ def test_greedy_matches_transformers(llm, llama_reference):
     assert [len(o.prompt_token_ids) for o in outputs] == [3 + 16, 5 + 16, 5 + 16, 4 + 32, 2 + 32, 6, 5 + 16]
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_over_qwen3(llava_qwen3):
     prompts = layouts(image_token_id(llava_qwen3))
     expected = hf_greedy(llava_qwen3, prompts)
@@ -159,6 +161,7 @@ def test_greedy_matches_transformers_over_qwen3(llava_qwen3):
     assert got == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("disable_chunked_mm_input", [False, True])
 def test_chunked_prefill_around_the_image_matches_transformers(
     llava_llama, llama_reference, disable_chunked_mm_input
@@ -193,6 +196,7 @@ def test_chunked_prefill_around_the_image_matches_transformers(
     assert got == expected
 
 
+@pytest.mark.slow
 def test_prefix_caching_shares_kv_for_the_same_image_only(llava_llama):
     image = image_token_id(llava_llama)
     text = [60, 61, 62, 63, 64, 65]
@@ -458,7 +462,7 @@ def test_text_prompt_with_image_tag_matches_transformers(llm, llava_llama):
 
 def test_chat_with_a_base64_image_through_the_openai_client(llava_llama):
     openai = pytest.importorskip("openai")
-    from test_api_server import ServerThread  # skips where the server's packages are missing
+    from helpers.servers import ServerThread  # skips where the server's packages are missing
     from transformers import AutoTokenizer
 
     img = random_image(10)

@@ -53,6 +53,7 @@ def test_ipynb_matches_its_source(notebook_py):
     )
 
 
+@pytest.mark.slow
 def test_notebook_runs_in_smoke_mode(notebook_py, tmp_path, monkeypatch):
     # The kernel is a child process: it inherits this environment.
     monkeypatch.setenv("NANO_V1_SMOKE", "1")

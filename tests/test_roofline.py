@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_checkpoint, make_vllm_config
+from helpers.checkpoints import make_tiny_checkpoint, make_vllm_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_sampling_metadata
+from helpers.sampling import make_sampling_metadata
 
 from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from nano_v1.sample.metadata import SamplingMetadata

@@ -30,13 +30,13 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
+from helpers.servers import wait_until_healthy
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import wait_until_healthy
 
 import nano_v1
 from nano_v1 import LLM, SamplingParams
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60

@@ -15,14 +15,19 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import make_sampling_metadata, make_scheduler, make_vllm_config
+from helpers.checkpoints import make_vllm_config
+from helpers.generation import hf_greedy
+from helpers.sampling import make_sampling_metadata
+from helpers.scheduler import make_requests, make_scheduler, reference_output, run_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_llm import hf_greedy
-from test_scheduler import make_requests, reference_output, run_workload
 
 from benchmarks.context import SuiteContext
-from benchmarks.spec_decode_verify import break_even_acceptance_rate, expected_tokens_per_step, verify_cost_sweep
+from benchmarks.spec_decode_verify import (
+    break_even_acceptance_rate,
+    expected_tokens_per_step,
+    verify_cost_sweep,
+)
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.entrypoints import cli
@@ -407,6 +412,7 @@ def run_engine(path: str, prompts: list[list[int]], speculative_config: dict | N
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
 def test_greedy_with_speculation_equals_transformers(greedy_reference, k):
     """k = 0 is the engine without speculation: it, and every k, must give transformers' tokens."""
@@ -433,6 +439,7 @@ def test_greedy_with_speculation_equals_transformers(greedy_reference, k):
     assert pool.get_num_free_blocks() == len(pool.blocks) - 1  # every block is back
 
 
+@pytest.mark.slow
 def test_greedy_speculation_on_the_demo_model_keeps_outputs_and_gains_tokens_per_step():
     prompt = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def"
     params = SamplingParams(temperature=0.0, max_tokens=32)
@@ -451,6 +458,7 @@ def test_greedy_speculation_on_the_demo_model_keeps_outputs_and_gains_tokens_per
     assert stats.mean_acceptance_length > 1.3, stats
 
 
+@pytest.mark.slow
 def test_metrics_are_vllms_names_and_absent_without_speculation(tiny_qwen3):
     llm, _ = run_engine(
         tiny_qwen3, repetitive_prompts(1)[:1], {"num_speculative_tokens": 2, "prompt_lookup_max": 2}
@@ -494,6 +502,7 @@ def test_break_even_acceptance_rate_inverts_expected_tokens_per_step():
     assert math.isnan(break_even_acceptance_rate(2.5, 1))  # k + 1 tokens could not pay for it
 
 
+@pytest.mark.slow
 def test_spec_benchmarks_run_at_smoke_sizes(tmp_path):
     out = tmp_path / "spec.json"
     cli.main(

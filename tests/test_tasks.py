@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_scheduler
-from test_scheduler import FakeModelRunner
+from helpers.scheduler import FakeModelRunner, make_scheduler
 
 from nano_v1.core.sched.utils import check_stop
 from nano_v1.request import Request, RequestStatus

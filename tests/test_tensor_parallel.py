@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import tp_probes
-from conftest import make_tiny_checkpoint
-from test_llm import hf_greedy, make_prompts
+from helpers import tp_probes
+from helpers.checkpoints import make_tiny_checkpoint
+from helpers.generation import hf_greedy, make_prompts
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.sched.scheduler import Scheduler
@@ -616,7 +616,7 @@ def test_torchrun_external_launcher_gives_the_same_tokens(checkpoints, tmp_path)
     path = checkpoints["qwen3"]
     prompts = prompts_for(path)
     out = tmp_path / "tokens.json"
-    script = Path(__file__).with_name("torchrun_generate.py")
+    script = Path(__file__).parent / "helpers" / "torchrun_generate.py"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script), path, json.dumps(prompts), str(MAX_NEW), str(out)]  # fmt: skip

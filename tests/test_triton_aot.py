@@ -2,7 +2,7 @@
 
 A kernel that fails to compile for the H200, or needs more registers or shared memory
 than a Hopper SM has, fails at its first launch there, minutes into a GPU session; one
-that spills runs, slower than its numbers say. `tests/triton_aot.py` finds every variant
+that spills runs, slower than its numbers say. `tests/helpers/triton_aot.py` finds every variant
 the attention backend launches (shapes of the shipped models, every dtype, every kind of
 step) and compiles each for sm_90 in a process of its own; here its results are held to
 Hopper's limits.
@@ -62,7 +62,7 @@ def variants(tmp_path_factory) -> list[dict]:
     # The checkout's root on the path, for the shapes in benchmarks/ (outside the package).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tests" / "triton_aot.py"), str(out)],
+        [sys.executable, str(REPO_ROOT / "tests" / "helpers" / "triton_aot.py"), str(out)],
         env=env,
         capture_output=True,
         text=True,

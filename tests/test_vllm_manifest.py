@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_chapters import expand_braces
+from helpers.chapters import expand_braces
 
 pytestmark = pytest.mark.ch00
 

@@ -1,6 +1,6 @@
 """nano_v1's scheduler against vLLM v0.11.0's own, step by step, block ids included.
 
-The oracle is vLLM itself: tests/vllm_v0_11_0/record_traces.py drove v0.11.0's
+The oracle is vLLM itself: tests/helpers/record_traces.py drove v0.11.0's
 `Scheduler` and `KVCacheManager` through each workload on a fake model and wrote every
 step to tests/vllm_v0_11_0/traces/. Here nano_v1's scheduler gets the same requests,
 the same aborts, the same model outputs and the same draft tokens, and each step's
@@ -19,17 +19,26 @@ from __future__ import annotations
 
 import json
 import types
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kv_cache_configs import full_attention_kv_cache_config
-from vllm_v0_11_0.trace_fields import output_fields, schedule_fields, state_fields
+from helpers.kv_cache import full_attention_kv_cache_config
+from helpers.trace_fields import (
+    PendingOutput,
+    output_fields,
+    placeholder_fields,
+    schedule_fields,
+    state_fields,
+)
 
 from nano_v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from nano_v1.core.kv_cache_utils import get_request_block_hasher
 from nano_v1.core.sched.async_scheduler import AsyncScheduler
+from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
+from nano_v1.engine.core import EngineCore
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
@@ -354,3 +363,91 @@ def test_field_difference(field, workload):
     difference = FIELD_DIFFERENCES[field]
     known = Difference(step=difference.first_steps[workload], field=field, reason=difference.reason)
     replay_expecting(workload, known, checked={field})
+
+
+# ---------------------------------------------------------------------- vLLM v0.11.0's traces
+ASYNC_TRACES = TRACES / "async"
+ASYNC_WORKLOADS = sorted(path.stem for path in ASYNC_TRACES.glob("*.json"))
+
+
+class TraceExecutor:
+    """Hands back, for the step scheduled in the current trace step, the recorded model output."""
+
+    def __init__(self) -> None:
+        self.entry: dict = {}
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> PendingOutput:
+        assert non_block
+        model_output = self.entry["model_output"]
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return PendingOutput(
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=[list(model_output[rid]) for rid in req_ids],
+            )
+        )
+
+
+def replay_async(trace: dict) -> None:
+    """Drive nano_v1's `EngineCore.step_with_batch_queue` and `AsyncScheduler` through a trace of
+    v0.11.0's; raise TraceMismatch at the first field that differs. Each trace step is one
+    call of the loop: what it scheduled (or None), the outputs of the step it waited for (or
+    None), and the state it left, placeholders included."""
+    workload, config = "async/" + trace["workload"], trace["config"]
+    sched = build_scheduler(config, async_scheduling=True)
+    block_hasher = get_request_block_hasher(config["block_size"]) if config["enable_prefix_caching"] else None
+    specs = {spec["req_id"]: spec for spec in trace["requests"]}
+    executor = TraceExecutor()
+    core = EngineCore.__new__(EngineCore)  # the loop's state only: no model, no workers
+    core.scheduler, core.model_executor = sched, executor
+    core.batch_queue_size = 2
+    core.batch_queue = deque(maxlen=2)
+    scheduled: list[dict] = []
+    schedule = sched.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        was_running = [r.request_id for r in sched.running]
+        scheduler_output = schedule()
+        scheduled.append(schedule_fields(sched, scheduler_output, was_running))
+        return scheduler_output
+
+    sched.schedule = recording_schedule
+    for entry in trace["steps"]:
+        step = entry["step"]
+        for req_id in entry["arrivals"]:
+            sched.add_request(make_request(specs[req_id], block_hasher))
+        for req_id in entry["aborts"]:
+            sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        scheduled.clear()
+        executor.entry = entry
+        engine_outputs = core.step_with_batch_queue()
+        actual = {
+            "schedule": scheduled[0] if scheduled else None,
+            "outputs": None if engine_outputs is None else output_fields(engine_outputs.outputs),
+        }
+        compare(workload, step, entry, actual, ("schedule", "outputs"), {"schedule", "outputs"})
+        after = dict(state_fields(sched), **placeholder_fields(sched))
+        fields = (*STATE_FIELDS, "after.num_output_placeholders")
+        compare(workload, step, entry["after"], after, fields, set(fields))
+    assert not sched.has_unfinished_requests() and not core.batch_queue, (
+        f"{workload}: nano_v1 has work left after the trace's last step"
+    )
+
+
+@pytest.mark.ch14
+def test_async_traces_are_v0_11_0s_and_overlap():
+    assert len(ASYNC_WORKLOADS) >= 10
+    for workload in ASYNC_WORKLOADS:
+        trace = json.loads((ASYNC_TRACES / f"{workload}.json").read_text())
+        assert trace["vllm_version"] == "0.11.0" and trace["workload"] == workload
+        assert any(s["schedule"] and s["outputs"] is not None for s in trace["steps"]), (
+            f"{workload}: no step was scheduled while the one before it ran"
+        )
+
+
+@pytest.mark.ch14
+@pytest.mark.parametrize("workload", ASYNC_WORKLOADS)
+def test_async_replay_matches_vllm(workload):
+    """Every recorded field of every call of the batch-queue loop, block ids and placeholders included."""
+    replay_async(json.loads((ASYNC_TRACES / f"{workload}.json").read_text()))

@@ -13,7 +13,7 @@ import gc
 
 import pytest
 import torch
-from conftest import make_vllm_config
+from helpers.checkpoints import make_vllm_config
 
 from nano_v1.worker import gpu_worker
 

@@ -17,7 +17,7 @@ its marker (`@pytest.mark.ch04_t2`) next to the chapter marker, and `grade` runs
 `pytest -m ch04` with a small plugin that scores each task (see `__main__`).
 
 A `Mutant` is a planted bug in one task's region (the catalog is
-tests/assignment_mutants.py): `mutate_source` applies it to the reference text, and the
+tests/helpers/assignment_mutants.py): `mutate_source` applies it to the reference text, and the
 integrity check (tests/test_assignments.py) proves that the task's tests catch it.
 """
 

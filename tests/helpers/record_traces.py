@@ -16,7 +16,7 @@ that environment and re-record, from the repository root:
     /work/vllm-venv/bin/pip install numpy 'transformers>=4.57,<4.58' pydantic msgspec \
         cloudpickle psutil cachetools cbor2 setproctitle pyzmq aiohttp blake3 pillow \
         prometheus_client fastapi openai openai_harmony pybase64 diskcache py-cpuinfo gguf
-    /work/vllm-venv/bin/python tests/vllm_v0_11_0/record_traces.py tests/vllm_v0_11_0/traces
+    /work/vllm-venv/bin/python tests/helpers/record_traces.py tests/vllm_v0_11_0/traces
 
 Torch comes first so that the `--no-deps` install cannot pull in the CUDA build that
 vLLM's wheel asks for (its scheduler does not care which). The packages after vllm are
@@ -539,7 +539,7 @@ def record(name: str, model_dir: str) -> dict:
         "vllm_version": VLLM_VERSION,
         "workload": name,
         "description": workload.description,
-        "recorder": "tests/vllm_v0_11_0/record_traces.py",
+        "recorder": "tests/helpers/record_traces.py",
         "config": config,
         "requests": requests,
         "steps": steps,
@@ -670,7 +670,7 @@ def record_async(name: str, model_dir: str) -> dict:
         "vllm_version": VLLM_VERSION,
         "workload": name,
         "description": workload.description + " Under async scheduling.",
-        "recorder": "tests/vllm_v0_11_0/record_traces.py",
+        "recorder": "tests/helpers/record_traces.py",
         "config": config,
         "requests": requests,
         "steps": steps,
@@ -710,4 +710,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "traces"))
+    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parents[1] / "vllm_v0_11_0" / "traces"))

@@ -6,6 +6,10 @@ test process (its engine core still in a process of its own), so that a test can
 the engine core's utilities directly, e.g. to check that every KV block is free again
 after a request is aborted. It has no watchdog: when its engine core dies it keeps
 answering 503s (what `nano-v1 serve` does until it exits), so a test can look at them.
+`ServerThread` builds one from engine arguments and hands out `openai` clients.
+
+Importing this module skips the importing test (or module) where the serving stack is
+missing: the GPU image has none of it.
 """
 
 from __future__ import annotations
@@ -19,12 +23,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import prometheus_client
-import uvicorn
+import pytest
+
+for _package in ("openai", "fastapi", "uvicorn", "zmq", "msgspec"):
+    pytest.importorskip(_package)
+
+import openai  # noqa: E402
+import prometheus_client  # noqa: E402
+import uvicorn  # noqa: E402
 
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.async_llm import AsyncLLM
 from nano_v1.entrypoints.openai.api_server import build_app, make_stat_loggers
+
+# Every client call's limit: a hang fails the test instead of stalling the suite.
+TIMEOUT_S = 60
 
 
 class BackgroundServer:
@@ -91,6 +104,14 @@ class BackgroundServer:
         self.thread.join(timeout=30)
 
 
+class ServerThread(BackgroundServer):
+    def __init__(self, **engine_kwargs) -> None:
+        super().__init__(EngineArgs(**engine_kwargs))
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+
+
 def wait_until_healthy(
     base_url: str, proc: subprocess.Popen, timeout_s: float, exit_detail: Callable[[], str]
 ) -> None:
@@ -108,3 +129,25 @@ def wait_until_healthy(
             pass
         assert time.monotonic() < deadline, "nano-v1 serve did not come up"
         time.sleep(0.2)
+
+
+def wait_until_idle(server: ServerThread, within_s: float) -> None:
+    """All requests gone from the core and every KV block free again, within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while server.call_utility("get_num_unfinished_requests") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.call_utility("get_num_unfinished_requests") == 0
+    assert server.call_utility("get_kv_cache_usage") == 0.0
+
+
+def stream_completion(client, **kwargs) -> tuple[dict[int, str], dict[int, str]]:
+    """Concatenate the streamed text per choice; also return each choice's finish reason."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in client.completions.create(model="demo", stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason is not None:
+                assert choice.index not in reasons, "finish_reason sent twice"
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons

@@ -3,7 +3,7 @@
 Run by tests/test_triton_aot.py in a process of its own, without TRITON_INTERPRET (the
 interpreter replaces the kernels that Triton would compile):
 
-    python tests/triton_aot.py OUT.json
+    python tests/helpers/triton_aot.py OUT.json
 
 No GPU is needed: `triton.compile` compiles an `ASTSource` for a target it does not see,
 with the ptxas Triton ships. The variants are not listed by hand. The attention backend's
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 import triton

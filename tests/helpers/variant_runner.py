@@ -1,6 +1,6 @@
 """Run pytest on variants of one tree, each in a fork of one warm interpreter.
 
-    python tests/variant_runner.py JOBS.json
+    python tests/helpers/variant_runner.py JOBS.json
 
 The assignment integrity check (test_assignments.py) runs a task's tests on dozens of
 variants of a student copy: one task stubbed, or one planted bug. A fresh
@@ -73,7 +73,7 @@ def _run_child(root: Path, job: dict) -> None:
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
         os.chdir(root)
-        # sys.path[0] is this script's directory, the reference's tests/: the tree's root
+        # sys.path[0] is this script's directory, the reference's tests/helpers/: the tree's root
         # takes its place, so that the tree's own nano_v1 is imported.
         sys.path[0] = str(root)
         signal.alarm(job["timeout"])  # a variant that loops forever is killed (SIGALRM)

@@ -1,6 +1,6 @@
 """Run by `torchrun --standalone --nproc-per-node 2` in tests/test_tensor_parallel.py: every rank an engine.
 
-    torchrun --standalone --nproc-per-node 2 tests/torchrun_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS OUT_JSON
+    torchrun --standalone --nproc-per-node 2 tests/helpers/torchrun_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS OUT_JSON
 
 Each rank builds `LLM(..., tensor_parallel_size=2, distributed_executor_backend="external_launcher")`
 (vLLM's way to run tensor parallelism under torchrun, and across machines) and generates greedily
