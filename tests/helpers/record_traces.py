@@ -472,23 +472,16 @@ def make_request(spec: dict, block_hasher) -> Request:
     )
 
 
+def request_specs(workload) -> list[dict]:
+    """The workload's requests with every field a trace records, defaults filled in."""
+    defaults = dict(eos_token_id=NEVER_EOS, stop_token_ids=[], ignore_eos=False, min_tokens=0, priority=0)
+    return [dict(defaults, **spec, arrival_time=float(i)) for i, spec in enumerate(workload.requests)]
+
+
 def record(name: str, model_dir: str) -> dict:
     workload = WORKLOADS[name]
     config = dict(DEFAULT_CONFIG, **workload.config)
-    requests = [
-        dict(
-            {
-                "eos_token_id": NEVER_EOS,
-                "stop_token_ids": [],
-                "ignore_eos": False,
-                "min_tokens": 0,
-                "priority": 0,
-            },
-            **spec,
-            arrival_time=float(i),
-        )
-        for i, spec in enumerate(workload.requests)
-    ]
+    requests = request_specs(workload)
     aborts = workload.aborts
     scheduler = build_scheduler(config, model_dir)
     block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256) if config["enable_prefix_caching"] else None
@@ -605,20 +598,7 @@ def record_async(name: str, model_dir: str) -> dict:
     one, or both."""
     workload = WORKLOADS[name]
     config = dict(DEFAULT_CONFIG, **workload.config)
-    requests = [
-        dict(
-            {
-                "eos_token_id": NEVER_EOS,
-                "stop_token_ids": [],
-                "ignore_eos": False,
-                "min_tokens": 0,
-                "priority": 0,
-            },
-            **spec,
-            arrival_time=float(i),
-        )
-        for i, spec in enumerate(workload.requests)
-    ]
+    requests = request_specs(workload)
     aborts = workload.aborts
     scheduler = build_scheduler(config, model_dir, async_scheduling=True)
     block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256) if config["enable_prefix_caching"] else None
