@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
 
 if not nb.ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined: before its import
@@ -38,7 +39,6 @@ if not nb.ON_GPU:
 # hands its worker a function through `collective_rpc`, which cannot cross to another process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import nb  # first: it puts the checkout's root on sys.path, for benchmarks/
 from benchmarks.attention_kernels import (
     QWEN3_0_6B,
     Workload,
