@@ -17,6 +17,12 @@ The ROUTER/DEALER pair is vLLM's: a ROUTER addresses each engine by the identity
 announced, which is how vLLM's data-parallel frontend talks to several cores at once.
 A monitor thread waits on the child's process sentinel: if the core dies, every waiting
 call fails with `EngineDeadError` at once instead of waiting forever.
+
+What differs from v0.11.0: the error says why the core died. A core whose busy loop failed
+sends the cause (the exception, or which tensor-parallel worker died and how) on its
+handshake pipe before it sends ENGINE_CORE_DEAD; v0.11.0's error points to the core's log.
+The core's multiprocessing temporary directory is made inside our IPC directory, which we
+remove, so a killed core leaves no fork-server socket behind.
 """
 
 from __future__ import annotations
