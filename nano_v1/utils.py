@@ -16,9 +16,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.util
 import os
+import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -131,6 +134,21 @@ def start_process(proc: BaseProcess) -> None:
         main.__dict__.update(saved)
 
 
+def use_mp_temp_dir_in(parent: str) -> None:
+    """Make this process's multiprocessing temporary directory (`pymp-*`, where a fork server
+    binds its socket) inside `parent` instead of in $TMPDIR.
+
+    A process removes its `pymp-*` directory when it exits, but not when it is killed;
+    inside a directory that another process removes, it goes anyway. No effect in a process
+    that already has one (a forked child shares its parent's).
+    """
+    saved, tempfile.tempdir = tempfile.tempdir, parent
+    try:
+        multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
 def exit_when_parent_dies(conn: Connection) -> None:
     """Block on a death pipe; when the parent's end closes (it exited or died), exit at once.
 
@@ -142,6 +160,16 @@ def exit_when_parent_dies(conn: Connection) -> None:
     except EOFError:
         pass
     os._exit(0)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from multiprocessing's `exitcode` (-N: killed by signal N)."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        names = {int(s): s.name for s in signal.Signals}
+        return f"was killed by signal {-exitcode} ({names.get(-exitcode, 'a real-time signal')})"
+    return f"exited with code {exitcode}"
 
 
 def run_method(obj: Any, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:

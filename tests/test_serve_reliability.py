@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -800,6 +801,32 @@ def test_killed_engine_core_fails_clients_and_the_server_exits(servers):
     assert time.monotonic() - start < 30
     assert "supervisor" in doomed.output() and "Traceback" not in doomed.output()
     assert os.listdir(doomed.tmpdir) == []
+
+
+def test_a_dead_tp_worker_is_named_in_the_clients_error():
+    """Regression: a TP=2 worker killed mid-stream ended the stream with "the engine core hit an
+    exception in its busy loop" while which worker had died, and how, was only in the log. Now
+    the stream's error event, and the server's last line, say so."""
+    tp = ServeProcess(*ENGINE_FLAGS, "--tensor-parallel-size", "2", "--disable-log-stats")
+    try:
+        tp.wait_healthy()
+        core = psutil.Process(tp.engine_core_pid())
+        killed = max(p.pid for p in core.children(recursive=True) if p.ppid() != core.pid)  # a worker
+        client = openai.OpenAI(base_url=f"{tp.base_url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+        stream = client.completions.create(
+            model="demo", prompt=PROMPT, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        os.kill(killed, signal.SIGKILL)
+        cause = rf"worker rank [01] \(pid {killed}\) was killed by signal 9 \(SIGKILL\)"
+        with pytest.raises(openai.APIError, match=cause):
+            for _ in stream:
+                pass
+        assert tp.wait_exit(timeout_s=30) == 1
+        assert re.search(cause, tp.output().splitlines()[-1]), tp.output()[-3000:]
+        assert os.listdir(tp.tmpdir) == []
+    finally:
+        tp.close()
 
 
 def environ_of(proc: psutil.Process) -> dict[str, str]:

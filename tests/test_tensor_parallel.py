@@ -17,9 +17,11 @@ import ast
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -430,7 +432,9 @@ def test_killed_worker_fails_generate_fast_and_leaves_no_process(checkpoints, ra
 
     threading.Thread(target=kill_mid_run, daemon=True).start()
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    with pytest.raises(EngineDeadError, match="worker rank"):
+    # The dead rank, however it died, even when rank 1's death first shows up as rank 0's failed all-reduce.
+    cause = rf"worker rank {rank} \(pid {pids[rank]}\) was killed by signal 9 \(SIGKILL\)"
+    with pytest.raises(EngineDeadError, match=cause):
         llm.generate([{"prompt_token_ids": [5] * 8}] * 4, params, use_tqdm=False)
     assert time.monotonic() - killed_at[0] < 5.0
     assert wait_until_gone(pids, timeout=5.0) == []  # the other rank was stopped, both reaped
@@ -608,6 +612,64 @@ def test_a_finished_script_leaves_nothing_behind(checkpoints, tmp_path, multipro
     names = ast.literal_eval(result.stdout.split("shm files ", 1)[1].splitlines()[0])
     assert len(names) == 3 + 8, names
     assert [name for name in names if Path("/dev/shm", name).exists()] == []
+
+
+def test_a_dead_worker_is_named_in_the_error_of_an_engine_core_process(checkpoints, monkeypatch):
+    """Regression: with the engine core in its own process, `LLM.generate` said only that the
+    engine core had died ("exit code 1", or "an exception in its busy loop"), while which
+    worker had died, and how, was only in the engine core's log."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = LLM(model=checkpoints["qwen3"], dtype="float32", tensor_parallel_size=2, **SMALL_CACHE)
+    client = llm.llm_engine.engine_core
+    try:
+        core_pid = client.resources.proc.pid
+        killed = max(pid for pid in descendants(core_pid) if parent_of(pid) != core_pid)  # a worker
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while not client.resources.engine_dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cause = rf"worker rank [01] \(pid {killed}\) was killed by signal 9 \(SIGKILL\)"
+        with pytest.raises(EngineDeadError, match=cause):
+            greedy(llm, [[1, 2, 3]])
+    finally:
+        llm.llm_engine.shutdown()
+
+
+KILLED_CORE_SCRIPT = """
+import os
+import signal
+import sys
+
+from nano_v1 import LLM, SamplingParams
+from nano_v1.engine.exceptions import EngineDeadError
+
+llm = LLM(model=sys.argv[1], dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64, max_model_len=256)
+os.kill(llm.llm_engine.engine_core.resources.proc.pid, signal.SIGKILL)
+try:
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+except EngineDeadError as e:
+    print("generate failed:", e)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_engine_core_leaves_no_temporary_files(checkpoints, tmp_path):
+    """Regression: a TP=2 engine core killed with SIGKILL left its fork server's socket
+    (`$TMPDIR/pymp-*/listener-*`) behind, as nothing of it runs to remove it. The script's own
+    temporary directory holds only this engine's files."""
+    script = tmp_path / "killed_core.py"
+    script.write_text(KILLED_CORE_SCRIPT)
+    tmpdir = tempfile.mkdtemp(prefix="nano-tp-")  # short: IPC socket paths are limited to ~100 bytes
+    try:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", TMPDIR=tmpdir)
+        result = subprocess.run(
+            [sys.executable, str(script), checkpoints["qwen3"]],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0 and "generate failed:" in result.stdout, result.stdout + result.stderr
+        assert sorted(Path(tmpdir).rglob("*")) == []
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 @pytest.mark.slow

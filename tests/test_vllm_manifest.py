@@ -346,6 +346,7 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         "EngineCoreClient.call_utility": "v0.11.0 has it on SyncMPClient only; ours on every client",
         "InprocClient.call_utility": "v0.11.0 has it on SyncMPClient only; ours on every client",
         "AsyncMPClient.shutdown": "v0.11.0's is MPClient.shutdown, which AsyncMPClient inherits",
+        "BackgroundResources.death_error": "the core's cause of death in the error; v0.11.0's says see the log",
     },
     "nano_v1/engine/detokenizer.py": {
         "find_stop_string": "finds only; v0.11.0's check_stop_strings also truncates",
@@ -516,6 +517,8 @@ OWN_NAMES: dict[str, dict[str, str]] = {
     "nano_v1/utils.py": {
         "start_process": "starts a daemon process with a readable name; v0.11.0 does it inline",
         "exit_when_parent_dies": "a child's watchdog on its parent; v0.11.0 relies on its process monitor",
+        "describe_exit": "says how a dead worker ended, for the error; v0.11.0 logs only that one died",
+        "use_mp_temp_dir_in": "a killed engine core's pymp-* directory goes with the client's IPC directory",
     },
     "nano_v1/worker/gpu_input_batch.py": {
         "CachedRequestState.from_new_request": "v0.11.0 builds it inline in GPUModelRunner._update_states",

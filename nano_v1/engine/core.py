@@ -21,6 +21,7 @@ whether the model ran, for `post_step`, which async scheduling never needs).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -57,7 +58,7 @@ from nano_v1.executor import Executor
 from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.outputs import ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
-from nano_v1.utils import exit_when_parent_dies, make_zmq_socket
+from nano_v1.utils import exit_when_parent_dies, make_zmq_socket, use_mp_temp_dir_in
 
 logger = logging.getLogger(__name__)
 
@@ -260,16 +261,21 @@ class EngineCoreProc(EngineCore):
     @staticmethod
     def run_engine_core(
         vllm_config: VllmConfig, input_address: str, output_address: str, conn: Connection,
-        parent_conn: Connection | None, num_threads: int,
+        parent_conn: Connection | None, num_threads: int, ipc_dir: str,
     ) -> None:
         """Entry point of the engine-core process: start, report over `conn`, then loop forever.
 
         `conn` is the handshake and the death pipe: READY (with the KV cache size, which only
         this process knows) or the startup exception goes back through it, and then a thread
         waits on it; if the frontend dies, its end closes and this process exits instead of
-        living on as an orphan. `parent_conn` is the frontend's end, which a forked child
+        living on as an orphan. If the busy loop fails, the cause goes back through it too
+        (`_send_engine_dead`). `parent_conn` is the frontend's end, which a forked child
         inherits and must close, or it would never see that EOF. `num_threads`: torch's CPU
-        threads in the frontend, which a new process would not inherit.
+        threads in the frontend, which a new process would not inherit. `ipc_dir`: the
+        frontend's directory for this engine's sockets, which the frontend removes however
+        this process ends; multiprocessing's temporary directory goes inside it, so that even
+        a killed engine core leaves nothing behind (with workers, that directory holds the
+        socket of the fork server that starts them).
 
         The frontend starts this process as a daemon (it is terminated if the frontend exits
         without shutting it down), but a daemon may not start processes of its own, and with
@@ -281,6 +287,7 @@ class EngineCoreProc(EngineCore):
         """
         if parent_conn is not None:
             parent_conn.close()
+        use_mp_temp_dir_in(ipc_dir)
         multiprocessing.current_process().daemon = False
         signal.signal(signal.SIGTERM, _raise_system_exit)
         torch.set_num_threads(num_threads)
@@ -297,9 +304,9 @@ class EngineCoreProc(EngineCore):
             engine_core.run_busy_loop()
         except SystemExit:
             pass  # terminated by the client: a normal shutdown
-        except BaseException:
+        except BaseException as e:
             logger.exception("the engine core failed; telling the client")
-            engine_core._send_engine_dead()
+            engine_core._send_engine_dead(conn, e)
             raise
         finally:
             engine_core.shutdown()
@@ -375,7 +382,12 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait(EngineCoreOutputs(utility_output=output))
         # END TASK
 
-    def _send_engine_dead(self) -> None:
+    def _send_engine_dead(self, conn: Connection, error: BaseException) -> None:
+        """Tell the client that the busy loop failed, and why: a worker's death if the executor
+        failed (which rank, how), else `error`. The cause goes over `conn` before anything else,
+        so that the client finds it there once ENGINE_CORE_DEAD, or this process's exit, reaches it."""
+        with contextlib.suppress(OSError):  # the client is gone: nobody to tell
+            conn.send(("DEAD", self.model_executor.failure_reason or f"{type(error).__name__}: {error}"))
         self.output_queue.put_nowait(EngineCoreProc.ENGINE_CORE_DEAD)
         self.output_thread.join(timeout=5.0)  # let the IO thread get it onto the wire
 

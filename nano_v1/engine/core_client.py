@@ -17,13 +17,20 @@ The ROUTER/DEALER pair is vLLM's: a ROUTER addresses each engine by the identity
 announced, which is how vLLM's data-parallel frontend talks to several cores at once.
 A monitor thread waits on the child's process sentinel: if the core dies, every waiting
 call fails with `EngineDeadError` at once instead of waiting forever.
+
+What differs from v0.11.0: the error says why the core died. A core whose busy loop failed
+sends the cause (the exception, or which tensor-parallel worker died and how) on its
+handshake pipe before it sends ENGINE_CORE_DEAD; v0.11.0's error points to the core's log.
+The core's multiprocessing temporary directory is made inside our IPC directory, which we
+remove, so a killed core leaves no fork-server socket behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import concurrent.futures
+import contextlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import queue
@@ -121,15 +128,29 @@ class BackgroundResources:
     ctx: Any  # zmq.Context
     ipc_dir: str
     proc: multiprocessing.process.BaseProcess | None = None
+    # The handshake pipe; after READY, the cause of a failed busy loop arrives on it (`death_error`).
     parent_conn: multiprocessing.connection.Connection | None = None
     sockets: list[Any] = field(default_factory=list)
     engine_dead: bool = False
     shutting_down: bool = False
+    death_cause: str | None = None
+    conn_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def validate_alive(self, frame: bytes) -> None:
         if frame == EngineCoreProc.ENGINE_CORE_DEAD:
             self.engine_dead = True
-            raise EngineDeadError("the engine core hit an exception in its busy loop")
+            raise self.death_error("the engine core hit an exception in its busy loop")
+
+    def death_error(self, otherwise: str = "") -> EngineDeadError:
+        """The error for the dead engine core: the cause it sent if its busy loop failed (a worker's
+        death, say), else `otherwise`. The core sends the cause before ENGINE_CORE_DEAD and before
+        it exits, so whichever of those two told us it died, the cause is already in the pipe."""
+        with self.conn_lock:
+            if self.death_cause is None and self.parent_conn is not None and not self.parent_conn.closed:
+                with contextlib.suppress(EOFError, OSError):  # EOF: it exited without a word (killed)
+                    if self.parent_conn.poll():
+                        _, self.death_cause = self.parent_conn.recv()
+        return EngineDeadError(self.death_cause or otherwise)
 
     def __call__(self) -> None:
         """Shut down: stop the process, close our sockets, end the context, remove the IPC files."""
@@ -141,7 +162,8 @@ class BackgroundResources:
                 self.proc.kill()
                 self.proc.join()
         if self.parent_conn is not None:
-            self.parent_conn.close()
+            with self.conn_lock:
+                self.parent_conn.close()
         for socket in self.sockets:
             socket.close(linger=0)
         # Ends the context; a thread blocked on one of its sockets gets ContextTerminated and closes it.
@@ -197,6 +219,7 @@ class MPClient(EngineCoreClient):
                 child_conn,
                 parent_conn if forked else None,
                 torch.get_num_threads(),
+                self.resources.ipc_dir,
             ),
             name="EngineCore",
             daemon=True,
@@ -227,7 +250,7 @@ class MPClient(EngineCoreClient):
                 return
             resources.engine_dead = True
             logger.error("the engine core process died unexpectedly (exit code %s)", proc.exitcode)
-            on_engine_dead(EngineDeadError(f"exit code {proc.exitcode}"))
+            on_engine_dead(resources.death_error(f"exit code {proc.exitcode}"))
 
         threading.Thread(target=monitor_engine_core, daemon=True, name="EngineCoreMonitor").start()
 
@@ -237,7 +260,7 @@ class MPClient(EngineCoreClient):
 
     def ensure_alive(self) -> None:
         if self.resources.engine_dead:
-            raise EngineDeadError()
+            raise self.resources.death_error()
 
     def _encode_input(self, request_type: EngineCoreRequestType, request: Any) -> list[bytes]:
         self.ensure_alive()
@@ -245,7 +268,9 @@ class MPClient(EngineCoreClient):
 
     def _format_exception(self, e: Exception) -> Exception:
         """Whatever broke the output path, once the core is dead the user sees why."""
-        return e if isinstance(e, EngineDeadError) or not self.resources.engine_dead else EngineDeadError()
+        if isinstance(e, EngineDeadError) or not self.resources.engine_dead:
+            return e
+        return self.resources.death_error()
 
     def shutdown(self) -> None:
         self._finalizer()

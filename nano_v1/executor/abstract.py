@@ -44,6 +44,10 @@ class Executor:
     """What the engine core asks of its workers. Subclasses implement `_init_executor`,
     `collective_rpc`, `check_health` and `shutdown`; the rest is built on `collective_rpc`."""
 
+    # Why the executor failed for good (which worker died, and how), once it has; only executors
+    # with worker processes fail this way.
+    failure_reason: str | None = None
+
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.parallel_config = vllm_config.parallel_config

@@ -19,8 +19,9 @@ and exits, because its peers may be waiting for it inside a collective and its s
 may no longer match theirs. A monitor thread waits on every worker's process sentinel;
 when one dies it stops the others, cancels every wait on the queues, and tells the
 engine core (`register_failure_callback`), so the caller gets `EngineDeadError` within
-a fraction of a second instead of a hang. Each worker also watches a death pipe from
-this process and exits when it closes, so no worker outlives its executor.
+a fraction of a second instead of a hang, naming the rank that died and how (its exit
+code, or the signal that killed it). Each worker also watches a death pipe from this
+process and exits when it closes, so no worker outlives its executor.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import Executor, FailureCallback, RpcMethod
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.utils import (
+    describe_exit,
     exit_when_parent_dies,
     get_distributed_init_method,
     get_loopback_ip,
@@ -68,6 +70,9 @@ EXECUTE_MODEL_TIMEOUT_S = 300.0
 WORKER_READY_TIMEOUT_S = 600.0
 # At shutdown, how long each worker gets to exit after its death pipe closes, and then after SIGTERM.
 WORKER_EXIT_GRACE_S = 2.0
+# When a worker reports a failure, how long to wait for a peer's death that caused it (a killed
+# rank breaks the others' collectives within milliseconds; a rank's own bug waits this long in vain).
+PEER_DEATH_GRACE_S = 0.5
 
 
 class MultiprocExecutor(Executor):
@@ -78,6 +83,7 @@ class MultiprocExecutor(Executor):
         self.shutdown_event = threading.Event()  # set at shutdown: cancels every wait on the queues
         self.failure_reason: str | None = None  # set when the executor fails for good
         self._fail_lock = threading.Lock()
+        self._ranks_that_reported: set[int] = set()  # workers that sent their own error (and exit after it)
         self.failure_callback: FailureCallback | None = None
         # With steps in flight (async scheduling, chapter 14), one thread reads every answer,
         # so that they are taken in the order the calls were sent; made once the workers are up.
@@ -118,28 +124,40 @@ class MultiprocExecutor(Executor):
         workers, self_ref = self.workers, weakref.ref(self)
 
         def monitor_workers() -> None:
-            sentinels = {handle.proc.sentinel: handle for handle in workers}
-            died = sentinels[multiprocessing.connection.wait(list(sentinels))[0]]
+            multiprocessing.connection.wait([handle.proc.sentinel for handle in workers])
             executor = self_ref()
             if executor is None or executor.shutdown_event.is_set():
                 return  # we are shutting down: the workers are meant to exit
-            executor._fail(
-                f"worker rank {died.rank} (pid {died.proc.pid}) died with exit code {died.proc.exitcode}"
-            )
+            executor._fail()
 
         threading.Thread(target=monitor_workers, daemon=True, name="MultiprocWorkerMonitor").start()
 
-    def _fail(self, reason: str) -> None:
-        """Fail for good: stop every worker, wake every wait, tell the engine core (once, though the
-        monitor and the caller's thread may both get here)."""
+    def _fail(self, reason: str | None = None) -> None:
+        """Fail for good: stop every worker, wake every wait, tell the engine core. Once, though the
+        monitor and the caller's thread may both get here: the second returns when the first is done.
+
+        The reason given names every worker that has died (which rank, how), since a death causes
+        whatever else fails; `reason` stands when none has. A worker that reported its own error
+        exits because of it, so its death is not named: the thread that read the error fails with
+        it, and `reason` None (the monitor's call) then leaves the failing to that thread.
+        """
         with self._fail_lock:
             if self.failure_reason is not None:
                 return
-            self.failure_reason = reason
-        logger.error("the executor failed: %s; stopping the workers", reason)
-        self.shutdown_event.set()
-        _stop_workers(self.workers)
-        callback, self.failure_callback = self.failure_callback, None
+            # Under the lock: a worker's exit code is read from its sentinel, by one thread at a time.
+            deaths = [
+                _death_of(handle)
+                for handle in self.workers
+                if handle.rank not in self._ranks_that_reported
+                and multiprocessing.connection.wait([handle.proc.sentinel], timeout=0)
+            ]
+            if not deaths and reason is None:
+                return
+            self.failure_reason = "; ".join(deaths) or reason
+            logger.error("the executor failed: %s; stopping the workers", self.failure_reason)
+            self.shutdown_event.set()
+            _stop_workers(self.workers)
+            callback, self.failure_callback = self.failure_callback, None
         if callback is not None:
             callback()
 
@@ -179,9 +197,10 @@ class MultiprocExecutor(Executor):
         """What a call that was cancelled (shutdown, a dead worker) or timed out raises."""
         if isinstance(error, TimeoutError):
             self._fail(f"{method!r} took longer than its timeout")
-        if self.failure_reason is not None:
+        if self.failure_reason is None:
+            return RuntimeError("the executor was shut down during the call.")
+        with self._fail_lock:  # held by the thread failing the executor until the workers are stopped
             return EngineDeadError(self.failure_reason)
-        return RuntimeError("the executor was shut down during the call.")
 
     def _get_response(self, handle: WorkerProcHandle, method: RpcMethod, deadline: float | None) -> Any:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -191,6 +210,11 @@ class MultiprocExecutor(Executor):
             raise self._call_error(method, e) from None
         if status == WorkerProc.ResponseStatus.FAILURE:
             error = f"worker rank {handle.rank} failed in {getattr(method, '__name__', method)}: {result}"
+            self._ranks_that_reported.add(handle.rank)
+            # A collective that fails here is most often a peer's death that has not reached this
+            # process yet: that death, not this rank's broken all-reduce, is the cause to report.
+            peers = [h.proc.sentinel for h in self.workers if h.rank not in self._ranks_that_reported]
+            multiprocessing.connection.wait(peers, timeout=PEER_DEATH_GRACE_S)
             self._fail(error)
             # The first cause (a peer's death, say) and this worker's own error, whichever came first.
             raise EngineDeadError(
@@ -234,6 +258,13 @@ def _shutdown(
     _stop_workers(workers)
     for queue in [broadcast_mq, *(handle.worker_response_mq for handle in workers)]:
         queue.close()
+
+
+def _death_of(handle: WorkerProcHandle) -> str:
+    """Which worker died and how, for the error every caller gets: "worker rank 1 (pid 4242) was
+    killed by signal 9 (SIGKILL)"."""
+    handle.proc.join(WORKER_EXIT_GRACE_S)  # its sentinel is ready: this reaps it, to read its exit code
+    return f"worker rank {handle.rank} (pid {handle.proc.pid}) {describe_exit(handle.proc.exitcode)}"
 
 
 def _stop_workers(workers: list[WorkerProcHandle]) -> None:
