@@ -111,11 +111,11 @@ class Processor:
         self._validate_text(prompt)
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
 
-    def _validate_text(self, text: str) -> None:
+    def _validate_text(self, text: str, what: str = "the prompt") -> None:
         """Reject text that cannot be tokenized, or that is certain not to fit, before tokenizing it."""
         if len(text) > self.max_prompt_chars:
             raise ValueError(
-                f"the prompt has {len(text)} characters, more than can fit in max_model_len="
+                f"{what} has {len(text)} characters, more than can fit in max_model_len="
                 f"{self.model_config.max_model_len} tokens with this tokenizer "
                 f"(at most {self.max_prompt_chars} characters)."
             )
@@ -123,7 +123,7 @@ class Processor:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, e.g. "\ud800" in JSON
             raise ValueError(
-                f"the prompt is not valid Unicode text: {text[e.start : e.end]!r} at character {e.start} "
+                f"{what} is not valid Unicode text: {text[e.start : e.end]!r} at character {e.start} "
                 "is half of a UTF-16 surrogate pair."
             ) from None
 
@@ -200,6 +200,8 @@ class Processor:
                 raise ValueError(
                     f"model {self.model_config.model!r} has no tokenizer, so bad_words cannot be tokenized."
                 )
+            for word in params.bad_words:
+                self._validate_text(word, what=f"bad word {word[:20]!r}")
             params.update_from_tokenizer(self.tokenizer)
             self._validate_token_ids("bad_words", [t for ids in params.bad_words_token_ids for t in ids])
 
