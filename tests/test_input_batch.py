@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers.checkpoints import TINY_SHAPES, make_vllm_config
 from helpers.kv_cache import full_attention_kv_cache_config
 from torch import nn
@@ -503,6 +505,59 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
             states[req_id].output_token_ids.extend([7] * k)
             batch.token_ids_cpu[i, batch.num_tokens[i] : batch.num_tokens[i] + k] = 7
             batch.num_tokens[i] += k
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_sampling_state_after_any_adds_removes_condenses_and_preemptions(data):
+    """Penalty bins, allowed-token mask, bad words, min-p and logit-bias rows, updated by diff,
+    equal the state rebuilt from scratch after any sequence of batch changes. A preempted
+    request leaves the batch and comes back with the output it had, as the runner re-adds it."""
+    batch = cpu_input_batch(max_num_reqs=6, max_model_len=64)
+    running: dict[str, CachedRequestState] = {}
+    preempted: list[CachedRequestState] = []
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    holes: list[int] = []
+    for step in range(data.draw(st.integers(1, 25))):
+        op = data.draw(st.sampled_from(["add", "add", "finish", "preempt", "resume", "sample"]))
+        if op == "add" and len(running) < batch.max_num_reqs:
+            n_prompt = rng.randint(1, 20)
+            state = CachedRequestState(
+                req_id=f"r{step}",
+                prompt_token_ids=[rng.randrange(VOCAB) for _ in range(n_prompt)],
+                sampling_params=tokenized(SamplingParams(**random_logits_params(rng))),
+                generator=None,
+                block_ids=([1],),
+                num_computed_tokens=0,
+                output_token_ids=[],
+            )
+            running[state.req_id] = state
+            batch.add_request(state, holes.pop() if holes else None)
+        elif op in ("finish", "preempt") and running:
+            req_id = data.draw(st.sampled_from(sorted(running)))
+            holes.append(batch.remove_request(req_id))
+            holes.sort(reverse=True)
+            state = running.pop(req_id)
+            if op == "preempt":
+                preempted.append(state)
+        elif op == "resume" and preempted and len(running) < batch.max_num_reqs:
+            state = preempted.pop(0)
+            running[state.req_id] = state
+            batch.add_request(state, holes.pop() if holes else None)
+        elif op == "sample":
+            for state in running.values():  # the runner extends the request's own list
+                state.output_token_ids.extend(rng.randrange(VOCAB) for _ in range(rng.randint(0, 2)))
+        if data.draw(st.booleans()):  # a step: close the holes, refresh, compare
+            batch.condense(holes)
+            holes = []
+            batch.refresh_metadata()
+            check_sampling_state(
+                batch,
+                [
+                    (running[r].prompt_token_ids, running[r].output_token_ids, running[r].sampling_params)
+                    for r in batch.req_ids
+                ],
+            )
 
 
 def test_condense_moves_last_rows_into_holes():

@@ -312,6 +312,8 @@ class InputBatch:
         self.req_output_token_ids[req_index] = None
         self.num_logprobs.pop(req_id, None)
         self.spec_decode_unsupported_reqs.discard(req_id)
+        # Added since the last refresh: the processors must not hear of it at all.
+        self._added = [added for added in self._added if added[0] != req_index]
         self._removed.append(req_index)
         return req_index
 
