@@ -3,7 +3,9 @@
 Mirrors vllm/sampling_params.py (chapter 01).
 
 This is a user-facing boundary, so every field is checked here, once, with a
-`ValueError` that names the field; nothing downstream re-validates.
+`ValueError` that names the field; nothing downstream re-validates. What needs the model
+is checked where the model is known, in `Processor` (chapter 01): token ids against the
+vocabulary, and `bad_words`, which it tokenizes (`update_from_tokenizer`).
 """
 
 from __future__ import annotations
