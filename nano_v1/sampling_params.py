@@ -3,12 +3,15 @@
 Mirrors vllm/sampling_params.py (chapter 01).
 
 This is a user-facing boundary, so every field is checked here, once, with a
-`ValueError` that names the field; nothing downstream re-validates.
+`ValueError` that names the field; nothing downstream re-validates. What needs the model
+is checked where the model is known, in `Processor` (chapter 01): token ids against the
+vocabulary, and `bad_words`, which it tokenizes (`update_from_tokenizer`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
@@ -16,6 +19,15 @@ _SAMPLING_EPS = 1e-5
 # Integers travel to the engine core as msgpack ints and end up in int64 tensors: vLLM's
 # server bounds `seed` so (torch.iinfo(torch.long)); we bound every integer field.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (bool excluded): NaN would pass every range check unnoticed."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -31,12 +43,23 @@ class SamplingParams:
     """Per-request sampling settings, named as in vLLM.
 
     `top_k=0` (or -1) and `top_p=1.0` mean "no truncation"; `temperature=0` means greedy.
+    The penalties' neutral values (0, 0, 1), `min_p=0` and empty `logit_bias`,
+    `allowed_token_ids` and `bad_words` leave the logits untouched.
     """
 
     n: int = 1
+    # OpenAI's: subtract `presence_penalty` from every token already in the output, and
+    # `frequency_penalty` times its count there. In [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL's: a token in the prompt or the output has its logit divided by this when
+    # positive, multiplied when negative. > 0; 1 is off.
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Drop tokens whose probability is below `min_p` times the most likely one's. In [0, 1].
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -47,8 +70,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine from the tokenizer; not a user setting.
+    # Token id -> added to its logit before sampling (OpenAI's `logit_bias`).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled; None allows every token.
+    allowed_token_ids: list[int] | None = None
+    # Words the output must not contain: the token sequence that would finish one is forbidden.
+    bad_words: list[str] | None = None
+    # Filled by the engine from the tokenizer; not user settings.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +87,8 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
         if self.top_k == -1:
             self.top_k = 0
         self._verify_args()
@@ -73,6 +105,22 @@ class SamplingParams:
         check(
             isinstance(self.temperature, (int, float)) and self.temperature >= 0.0,
             f"temperature must be a number >= 0, got {self.temperature!r}.",
+        )
+        check(
+            _is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}.",
+        )
+        check(
+            _is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}.",
+        )
+        check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}.",
+        )
+        check(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            f"min_p must be in [0, 1], got {self.min_p!r}.",
         )
         check(
             isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
@@ -107,6 +155,28 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.",
         )
+        check(
+            self.logit_bias is None
+            or (
+                isinstance(self.logit_bias, dict)
+                and all(_is_int(t) and _is_number(b) for t, b in self.logit_bias.items())
+            ),
+            f"logit_bias must map integer token ids to finite numbers, got {self.logit_bias!r}.",
+        )
+        check(
+            self.allowed_token_ids is None
+            or (isinstance(self.allowed_token_ids, list) and all(map(_is_int, self.allowed_token_ids))),
+            f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r}.",
+        )
+        check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids is not None and empty: it would allow no token at all.",
+        )
+        check(
+            isinstance(self.bad_words, list)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.",
+        )
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
             value = getattr(self, name)
             check(
@@ -117,6 +187,26 @@ class SamplingParams:
             all(t <= _INT64_MAX for t in self.stop_token_ids),
             f"stop_token_ids must fit in a signed 64-bit integer, got {self.stop_token_ids!r}.",
         )
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids`, each word as it would start the text and,
+        when that differs, as it would follow a space (a word token with the space folded in)."""
+        if not self.bad_words:
+            return
+        self._bad_words_token_ids = []
+        for bad_word in self.bad_words:
+            word = bad_word.lstrip()
+            bare = tokenizer.encode(word, add_special_tokens=False)
+            self._bad_words_token_ids.append(bare)
+            spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+            # Kept only when the space merged into the first token rather than adding one.
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                self._bad_words_token_ids.append(spaced)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """`bad_words` as token id sequences; set by the engine (`update_from_tokenizer`)."""
+        return self._bad_words_token_ids
 
     @property
     def greedy(self) -> bool:

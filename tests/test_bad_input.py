@@ -19,6 +19,19 @@ pytestmark = pytest.mark.ch01
         (dict(top_k=-3), "top_k"),
         (dict(n=0), "n must"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(presence_penalty=2.5), "presence_penalty must be in \\[-2, 2\\]"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty must be in \\[-2, 2\\]"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero"),
+        (dict(repetition_penalty="1"), "repetition_penalty"),
+        (dict(min_p=1.5), "min_p must be in \\[0, 1\\]"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias must map integer token ids"),
+        (dict(logit_bias={5: float("inf")}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty"),
+        (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids must be a list of integers"),
+        (dict(bad_words=["ok", " "]), "bad_words must be a list of non-blank strings"),
+        (dict(bad_words="word"), "bad_words"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
@@ -55,6 +68,50 @@ def test_bad_prompt_rejected_and_engine_keeps_serving(llm, bad, message):
     assert not llm.llm_engine.has_unfinished_requests()
     after = llm.generate([GOOD, GOOD], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in after] == [before, before]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(logit_bias={5: 1.0, 100000: 2.0}), "logit_bias has out-of-vocabulary token ids \\[100000\\]"),
+        (dict(logit_bias={-1: 2.0}), "logit_bias has out-of-vocabulary token ids \\[-1\\]"),
+        (
+            dict(allowed_token_ids=[5, 100000]),
+            "allowed_token_ids has out-of-vocabulary token ids \\[100000\\]",
+        ),
+        (dict(bad_words=["word"]), "no tokenizer, so bad_words"),
+    ],
+)
+def test_bad_token_ids_in_params_rejected(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(
+            [GOOD, GOOD],
+            [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, **kwargs)],
+            use_tqdm=False,
+        )
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_bad_words_tokenized_with_and_without_leading_space():
+    """As v0.11.0's `update_from_tokenizer`: the word as it starts a text, and again after a space
+    when the space folds into its first token (same length, new first token), never twice."""
+    from transformers import AutoTokenizer
+
+    from nano_v1.demo_model import DEMO_MODEL_PATH
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_PATH)
+    params = SamplingParams(bad_words=["the", "  cat", "!", " the"])
+    params.update_from_tokenizer(tokenizer)
+    assert params.bad_words_token_ids == [
+        [1429],  # "the"
+        [296],  # " the": one token
+        [67, 278],  # "cat": leading spaces are stripped first
+        [283, 278],  # " cat"
+        [1],  # "!": " !" is [221, 1], a token longer, so not added
+        [1429],  # " the" is stripped to "the" again
+        [296],
+    ]
+    assert SamplingParams().bad_words_token_ids is None
 
 
 def test_mismatched_params_list(llm):

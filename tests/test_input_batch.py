@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers.checkpoints import TINY_SHAPES, make_vllm_config
 from helpers.kv_cache import full_attention_kv_cache_config
 from torch import nn
@@ -23,6 +25,7 @@ from nano_v1.config import VllmConfig
 from nano_v1.core.kv_cache_utils import get_kv_cache_configs
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.sample.logits_processor import MinTokensLogitsProcessor
 from nano_v1.sample.sampler import SamplerOutput
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -55,15 +58,86 @@ def vllm_config(tmp_path_factory) -> VllmConfig:
     return make_vllm_config(str(path), **ENGINE_ARGS)
 
 
-def random_params(rng: random.Random) -> SamplingParams:
-    return SamplingParams(
-        temperature=rng.choice([0.0, 0.7, 1.0]),
-        top_p=rng.choice([1.0, 0.9]),
-        top_k=rng.choice([0, 5]),
-        seed=rng.choice([None, rng.randrange(1000)]),
-        logprobs=rng.choice([None, None, 0, 3]),
-        max_tokens=rng.randint(1, 12),
+class CharTokenizer:
+    """One token per character: enough to turn bad words into token ids."""
+
+    @staticmethod
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
+
+def random_logits_params(rng: random.Random) -> dict:
+    """The SamplingParams fields whose state the persistent batch keeps beyond plain columns."""
+    return dict(
+        presence_penalty=rng.choice([0.0, 0.0, 0.5, -1.0]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+        min_p=rng.choice([0.0, 0.0, 0.1]),
+        logit_bias=rng.choice([None, {3: 2.0, 11: -5.0}]),
+        allowed_token_ids=rng.choice([None, None, [1, 2, 3, 40]]),
+        bad_words=rng.choice([[], [], ["ab", "c"]]),
     )
+
+
+def tokenized(params: SamplingParams) -> SamplingParams:
+    params.update_from_tokenizer(CharTokenizer())
+    return params
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    return tokenized(
+        SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.0]),
+            top_p=rng.choice([1.0, 0.9]),
+            top_k=rng.choice([0, 5]),
+            seed=rng.choice([None, rng.randrange(1000)]),
+            logprobs=rng.choice([None, None, 0, 3]),
+            max_tokens=rng.randint(1, 12),
+            **random_logits_params(rng),
+        )
+    )
+
+
+def check_sampling_state(
+    batch: InputBatch, prompts_outputs_params: list[tuple[list[int], list[int], SamplingParams]]
+) -> None:
+    """After `refresh_metadata`, the state the batch updated by diff equals the state rebuilt from
+    each row's request: penalty columns and token bins, allowed-token mask, bad words, the
+    logits processors' rows and the sampling metadata."""
+    md = batch.sampling_metadata
+    penalized = {}
+    min_p, biases = {}, {}
+    for i, (prompt, outputs, params) in enumerate(prompts_outputs_params):
+        assert batch.presence_penalties.np[i] == pytest.approx(params.presence_penalty)
+        assert batch.frequency_penalties.np[i] == pytest.approx(params.frequency_penalty)
+        assert batch.repetition_penalties.np[i] == pytest.approx(params.repetition_penalty)
+        if (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) != (0.0, 0.0, 1.0):
+            penalized[i] = (prompt, outputs)
+        if params.min_p > 0:
+            min_p[i] = params.min_p
+        if params.logit_bias:
+            biases[i] = params.logit_bias
+        assert md.output_token_ids[i] is outputs
+        masked = torch.ones(VOCAB, dtype=torch.bool)  # True where the row may not sample
+        masked[params.allowed_token_ids or list(range(VOCAB))] = False
+        if md.allowed_token_ids_mask is not None:
+            assert torch.equal(md.allowed_token_ids_mask[i], masked)
+        else:
+            assert params.allowed_token_ids is None
+    assert md.no_penalties == (not penalized)
+    for i, (prompt, outputs) in penalized.items():
+        assert torch.equal(md.prompt_mask[i], torch.bincount(torch.tensor(prompt), minlength=VOCAB) > 0)
+        want_counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=VOCAB)
+        assert torch.equal(md.output_bin_counts[i].long(), want_counts)
+    assert md.bad_words_token_ids == {
+        i: p.bad_words_token_ids for i, (_, _, p) in enumerate(prompts_outputs_params) if p.bad_words
+    }
+    processors = {type(p).__name__: p for p in batch.logitsprocs}
+    assert processors["MinPLogitsProcessor"].min_p == min_p
+    if min_p:
+        column = processors["MinPLogitsProcessor"].min_p_column.squeeze(1).tolist()
+        assert column == pytest.approx([min_p.get(i, 0.0) for i in range(len(prompts_outputs_params))])
+    assert processors["LogitBiasLogitsProcessor"].biases == biases
 
 
 # ---------------------------------------------------------------------------- fake scheduler
@@ -163,7 +237,9 @@ class FakeScheduler:
             cached.req_ids.append(r.req_id)
             cached.resumed_from_preemption.append(resumed)
             # One KV cache group; None when a running request gained no block.
-            cached.new_block_ids.append((list(r.blocks),) if resumed else (new_blocks,) if new_blocks else None)
+            cached.new_block_ids.append(
+                (list(r.blocks),) if resumed else (new_blocks,) if new_blocks else None
+            )
             cached.num_computed_tokens.append(r.computed)
             num_scheduled[r.req_id] = n
             budget -= n
@@ -276,6 +352,14 @@ def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: 
         assert batch.top_k.np[i] == (r.params.top_k or VOCAB)
         assert batch.generators.get(i) is state.generator
         assert (state.generator is not None) == (r.params.seed is not None and r.params.temperature > 0)
+    if before_step:  # the bins count the outputs up to the step about to run
+        check_sampling_state(
+            batch,
+            [
+                (sched.live[r].prompt, runner.requests[r].output_token_ids, sched.live[r].params)
+                for r in batch.req_ids
+            ],
+        )
     metadata = batch.sampling_metadata
     expected_temperature = [sched.live[r].params.temperature for r in batch.req_ids]
     if metadata.all_greedy:
@@ -368,9 +452,19 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
         # The min-tokens processor, told only the batch's changes, knows exactly the rows still
         # short of their minimum, at their current rows.
         batch.refresh_metadata()
-        (min_tokens,) = batch.logitsprocs
-        short = {i: s.sampling_params.min_tokens for i, s in enumerate(states[r] for r in batch.req_ids)
-                 if len(s.output_token_ids) < s.sampling_params.min_tokens}
+        check_sampling_state(
+            batch,
+            [
+                (states[r].prompt_token_ids, states[r].output_token_ids, states[r].sampling_params)
+                for r in batch.req_ids
+            ],
+        )
+        (min_tokens,) = [p for p in batch.logitsprocs if isinstance(p, MinTokensLogitsProcessor)]
+        short = {
+            i: s.sampling_params.min_tokens
+            for i, s in enumerate(states[r] for r in batch.req_ids)
+            if len(s.output_token_ids) < s.sampling_params.min_tokens
+        }
         assert {row: entry[0] for row, entry in min_tokens.min_toks.items()} == short
 
     for step in range(300):
@@ -387,8 +481,13 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
             s = CachedRequestState(
                 req_id=f"q{step}_{len(states)}",
                 prompt_token_ids=[rng.randrange(VOCAB) for _ in range(n_prompt)],
-                sampling_params=SamplingParams(
-                    temperature=temperature, min_tokens=rng.choice([0, 0, 5, 12]), stop_token_ids=[2]
+                sampling_params=tokenized(
+                    SamplingParams(
+                        temperature=temperature,
+                        min_tokens=rng.choice([0, 0, 5, 12]),
+                        stop_token_ids=[2],
+                        **random_logits_params(rng),
+                    )
                 ),
                 generator=torch.Generator() if temperature and rng.random() < 0.5 else None,
                 block_ids=(rng.sample(range(1000), -(-(n_prompt + n_out) // BLOCK_SIZE)),),
@@ -399,11 +498,66 @@ def test_condense_keeps_rows_and_logits_processors_consistent():
             batch.add_request(s, removed.pop() if removed else None)
         batch.condense(removed)
         check()
-        for i, req_id in enumerate(batch.req_ids):  # requests sample, as the runner keeps them; some pass min_tokens
+        for i, req_id in enumerate(
+            batch.req_ids
+        ):  # requests sample, as the runner keeps them; some pass min_tokens
             k = min(rng.randint(0, 2), batch.token_ids_cpu.shape[1] - int(batch.num_tokens[i]))
             states[req_id].output_token_ids.extend([7] * k)
             batch.token_ids_cpu[i, batch.num_tokens[i] : batch.num_tokens[i] + k] = 7
             batch.num_tokens[i] += k
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_sampling_state_after_any_adds_removes_condenses_and_preemptions(data):
+    """Penalty bins, allowed-token mask, bad words, min-p and logit-bias rows, updated by diff,
+    equal the state rebuilt from scratch after any sequence of batch changes. A preempted
+    request leaves the batch and comes back with the output it had, as the runner re-adds it."""
+    batch = cpu_input_batch(max_num_reqs=6, max_model_len=64)
+    running: dict[str, CachedRequestState] = {}
+    preempted: list[CachedRequestState] = []
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    holes: list[int] = []
+    for step in range(data.draw(st.integers(1, 25))):
+        op = data.draw(st.sampled_from(["add", "add", "finish", "preempt", "resume", "sample"]))
+        if op == "add" and len(running) < batch.max_num_reqs:
+            n_prompt = rng.randint(1, 20)
+            state = CachedRequestState(
+                req_id=f"r{step}",
+                prompt_token_ids=[rng.randrange(VOCAB) for _ in range(n_prompt)],
+                sampling_params=tokenized(SamplingParams(**random_logits_params(rng))),
+                generator=None,
+                block_ids=([1],),
+                num_computed_tokens=0,
+                output_token_ids=[],
+            )
+            running[state.req_id] = state
+            batch.add_request(state, holes.pop() if holes else None)
+        elif op in ("finish", "preempt") and running:
+            req_id = data.draw(st.sampled_from(sorted(running)))
+            holes.append(batch.remove_request(req_id))
+            holes.sort(reverse=True)
+            state = running.pop(req_id)
+            if op == "preempt":
+                preempted.append(state)
+        elif op == "resume" and preempted and len(running) < batch.max_num_reqs:
+            state = preempted.pop(0)
+            running[state.req_id] = state
+            batch.add_request(state, holes.pop() if holes else None)
+        elif op == "sample":
+            for state in running.values():  # the runner extends the request's own list
+                state.output_token_ids.extend(rng.randrange(VOCAB) for _ in range(rng.randint(0, 2)))
+        if data.draw(st.booleans()):  # a step: close the holes, refresh, compare
+            batch.condense(holes)
+            holes = []
+            batch.refresh_metadata()
+            check_sampling_state(
+                batch,
+                [
+                    (running[r].prompt_token_ids, running[r].output_token_ids, running[r].sampling_params)
+                    for r in batch.req_ids
+                ],
+            )
 
 
 def test_condense_moves_last_rows_into_holes():
@@ -414,7 +568,6 @@ def test_condense_moves_last_rows_into_holes():
     batch.condense(sorted(holes, reverse=True))
     # f's row (5) was a trailing hole; e then d fill b's and c's rows.
     assert batch.req_ids == ["a", "e", "d"]
-
 
 
 def test_refresh_metadata_rebuilds_the_sampling_metadata_only_when_rows_changed():

@@ -269,6 +269,61 @@ def test_completion_logprobs_equal_offline(server, offline):
     assert [o for chunk in streamed for o in chunk.text_offset] == logprobs.text_offset
 
 
+def test_penalties_bias_and_vllm_extras_equal_offline(server, offline):
+    """OpenAI's penalties and logit_bias, and vLLM's extras, reach the engine as `SamplingParams`
+    would offline: greedy, and seeded sampling (where min_p and top_k matter too)."""
+    tokenizer = offline.get_tokenizer()
+    colon, newline = tokenizer.encode(":")[0], tokenizer.encode("\n")[0]
+    settings = {
+        "presence_penalty": 0.8,
+        "frequency_penalty": 0.6,
+        "repetition_penalty": 1.3,
+        "logit_bias": {colon: 4.0, newline: -2.5},
+        "min_p": 0.05,
+        "top_k": 20,
+        "bad_words": ["(self"],
+        "allowed_token_ids": list(range(3, 2000)),
+    }
+    client = server.client()
+    for temperature, seed in ((0.0, None), (0.9, 11)):
+        expected = (
+            offline.generate(
+                "class Stack:",
+                SamplingParams(
+                    temperature=temperature, seed=seed, max_tokens=16, ignore_eos=True, **settings
+                ),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .text
+        )
+        extra = {
+            k: settings[k] for k in ("repetition_penalty", "min_p", "top_k", "bad_words", "allowed_token_ids")
+        }
+        completion = client.completions.create(
+            model="demo",
+            prompt="class Stack:",
+            max_tokens=16,
+            temperature=temperature,
+            seed=seed,
+            presence_penalty=settings["presence_penalty"],
+            frequency_penalty=settings["frequency_penalty"],
+            logit_bias={str(t): b for t, b in settings["logit_bias"].items()},
+            extra_body={"ignore_eos": True, **extra},
+        )
+        assert completion.choices[0].text == expected
+        plain = (
+            offline.generate(
+                "class Stack:",
+                SamplingParams(temperature=temperature, seed=seed, max_tokens=16, ignore_eos=True),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .text
+        )
+        assert plain != expected  # the settings change the output
+
+
 def test_chat_logprobs_equal_offline(server, offline):
     messages = [{"role": "user", "content": "sort a list"}]
     prompt = offline.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -450,21 +505,71 @@ BAD_REQUESTS = {
     "echo": ("POST", "/v1/completions", completion(echo=True), 400, "echo"),
     "best-of": ("POST", "/v1/completions", completion(best_of=3), 400, "best_of"),
     "suffix": ("POST", "/v1/completions", completion(suffix="}"), 400, "suffix"),
-    "presence-penalty": (
+    "presence-penalty-over-2": (
         "POST",
         "/v1/completions",
-        completion(presence_penalty=0.5),
+        completion(presence_penalty=2.5),
         400,
-        "presence_penalty",
+        "presence_penalty must be in [-2, 2]",
     ),
-    "frequency-penalty": (
+    "frequency-penalty-under-2": (
         "POST",
         "/v1/chat/completions",
-        chat(frequency_penalty=1.0),
+        chat(frequency_penalty=-3),
         400,
-        "frequency_penalty",
+        "frequency_penalty must be in [-2, 2]",
     ),
-    "logit-bias": ("POST", "/v1/completions", completion(logit_bias={"5": 10}), 400, "logit_bias"),
+    "repetition-penalty-0": (
+        "POST",
+        "/v1/completions",
+        completion(repetition_penalty=0),
+        400,
+        "repetition_penalty must be greater than zero",
+    ),
+    "min-p-over-1": ("POST", "/v1/completions", completion(min_p=1.5), 400, "min_p must be in [0, 1]"),
+    "logit-bias-not-a-token-id": (
+        "POST",
+        "/v1/completions",
+        completion(logit_bias={"the": 10}),
+        400,
+        "logit_bias keys must be token ids",
+    ),
+    "logit-bias-over-100": (
+        "POST",
+        "/v1/completions",
+        completion(logit_bias={"5": 101}),
+        400,
+        "logit_bias values must be in [-100, 100]",
+    ),
+    "logit-bias-out-of-vocab": (
+        "POST",
+        "/v1/completions",
+        completion(logit_bias={"5": 1, "1000000": 1}),
+        400,
+        "logit_bias has out-of-vocabulary token ids [1000000]",
+    ),
+    "allowed-token-ids-empty": (
+        "POST",
+        "/v1/completions",
+        completion(allowed_token_ids=[]),
+        400,
+        "allowed_token_ids is not None and empty",
+    ),
+    "allowed-token-ids-out-of-vocab": (
+        "POST",
+        "/v1/chat/completions",
+        chat(allowed_token_ids=[5, 10**6]),
+        400,
+        "allowed_token_ids has out-of-vocabulary token ids",
+    ),
+    "bad-words-blank": ("POST", "/v1/completions", completion(bad_words=[" "]), 400, "bad_words"),
+    "bad-word-lone-surrogate": (
+        "POST",
+        "/v1/completions",
+        b'{"model": "demo", "prompt": "x", "bad_words": ["a\\ud800"]}',
+        400,
+        "surrogate",
+    ),
     "response-format": (
         "POST",
         "/v1/chat/completions",
@@ -475,9 +580,9 @@ BAD_REQUESTS = {
     "unknown-field": (
         "POST",
         "/v1/completions",
-        completion(repetition_penalty=1.2),
+        completion(length_penalty=1.2),
         400,
-        "repetition_penalty",
+        "length_penalty",
     ),
     "max-tokens-0": ("POST", "/v1/completions", completion(max_tokens=0), 400, "max_tokens"),
     "temperature-negative": ("POST", "/v1/completions", completion(temperature=-1), 400, "temperature"),

@@ -111,11 +111,11 @@ class Processor:
         self._validate_text(prompt)
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
 
-    def _validate_text(self, text: str) -> None:
+    def _validate_text(self, text: str, what: str = "the prompt") -> None:
         """Reject text that cannot be tokenized, or that is certain not to fit, before tokenizing it."""
         if len(text) > self.max_prompt_chars:
             raise ValueError(
-                f"the prompt has {len(text)} characters, more than can fit in max_model_len="
+                f"{what} has {len(text)} characters, more than can fit in max_model_len="
                 f"{self.model_config.max_model_len} tokens with this tokenizer "
                 f"(at most {self.max_prompt_chars} characters)."
             )
@@ -123,7 +123,7 @@ class Processor:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, e.g. "\ud800" in JSON
             raise ValueError(
-                f"the prompt is not valid Unicode text: {text[e.start : e.end]!r} at character {e.start} "
+                f"{what} is not valid Unicode text: {text[e.start : e.end]!r} at character {e.start} "
                 "is half of a UTF-16 surrogate pair."
             ) from None
 
@@ -147,6 +147,7 @@ class Processor:
         self._validate_prompt(token_ids)
         max_model_len = self.model_config.max_model_len
         params = copy.copy(params)  # the engine fills in per-request fields
+        self._validate_sampling_params(params)
         room = max_model_len - len(token_ids)
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.all_stop_token_ids = set(params.stop_token_ids)
@@ -189,6 +190,27 @@ class Processor:
                     f"encoder_cache_size={self.encoder_cache_size}): raise them."
                 )
         return token_ids, mm_features or None
+
+    def _validate_sampling_params(self, params: SamplingParams) -> None:
+        """Check every token id the params name is in the vocabulary; tokenize `bad_words` into `params`."""
+        self._validate_token_ids("logit_bias", list(params.logit_bias or ()))
+        self._validate_token_ids("allowed_token_ids", params.allowed_token_ids or [])
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"model {self.model_config.model!r} has no tokenizer, so bad_words cannot be tokenized."
+                )
+            for word in params.bad_words:
+                self._validate_text(word, what=f"bad word {word[:20]!r}")
+            params.update_from_tokenizer(self.tokenizer)
+            self._validate_token_ids("bad_words", [t for ids in params.bad_words_token_ids for t in ids])
+
+    def _validate_token_ids(self, name: str, token_ids: list[int]) -> None:
+        invalid = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if invalid:
+            raise ValueError(
+                f"{name} has out-of-vocabulary token ids {invalid}: every id must be in [0, {self.vocab_size})."
+            )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

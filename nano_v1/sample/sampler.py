@@ -1,4 +1,5 @@
-"""The sampler: one token per request from a batch of logits (greedy, temperature, top-k, top-p).
+"""The sampler: one token per request from a batch of logits (restrictions, penalties, greedy,
+temperature, min-p, top-k, top-p).
 
 Mirrors vllm/v1/sample/sampler.py and vllm/v1/sample/ops/topk_topp_sampler.py (chapter 01);
 `SamplerOutput` and `LogprobsTensors` live in vllm/v1/outputs.py there.
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from nano_v1.sample.metadata import SamplingMetadata
+from nano_v1.sample.ops.bad_words import apply_bad_words
+from nano_v1.sample.ops.penalties import apply_all_penalties
 from nano_v1.sampling_params import _SAMPLING_EPS
 
 
@@ -51,18 +54,23 @@ class Sampler(nn.Module):
 
     Logprobs, when asked for, are those of the model's raw distribution (log_softmax of
     the logits before logits processors, temperature and truncation), as in vLLM's
-    default mode. Logits processors that can change an argmax edit the logits before
-    any row is sampled; argmax-invariant ones edit the temperature-scaled logits of the
-    random rows only (`LogitsProcessor.is_argmax_invariant`).
+    default mode. The order is v0.11.0's: allowed token ids, bad words, the logits
+    processors that can change an argmax (logit bias, min tokens), penalties; then
+    greedy rows take their argmax, and random rows go on to temperature, the
+    argmax-invariant processors (min-p) and top-k/top-p (`LogitsProcessor.is_argmax_invariant`).
     """
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         num_logprobs = sampling_metadata.max_num_logprobs
         raw_logprobs = None if num_logprobs is None else self.compute_logprobs(logits)
+        logits = logits.to(torch.float32)
+        logits = self.apply_allowed_token_ids(logits, sampling_metadata)
+        logits = self.apply_bad_words(logits, sampling_metadata)
         for processor in sampling_metadata.logitsprocs:
             if not processor.is_argmax_invariant():
                 logits = processor.apply(logits)  # e.g. no EOS before min_tokens
-        sampled = self.sample(logits.to(torch.float32), sampling_metadata)  # [num_reqs] int64
+        logits = self.apply_penalties(logits, sampling_metadata)
+        sampled = self.sample(logits, sampling_metadata)  # [num_reqs] int64
         return SamplerOutput(
             sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1),  # [num_reqs, 1]
             logprobs_tensors=None
@@ -90,6 +98,32 @@ class Sampler(nn.Module):
             return random_sampled
         # Mixed batch: each row keeps the result of its own kind.
         return torch.where(md.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled)
+
+    @staticmethod
+    def apply_allowed_token_ids(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        if sampling_metadata.allowed_token_ids_mask is not None:
+            logits.masked_fill_(sampling_metadata.allowed_token_ids_mask, float("-inf"))
+        return logits
+
+    @staticmethod
+    def apply_bad_words(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        if sampling_metadata.bad_words_token_ids:
+            apply_bad_words(logits, sampling_metadata.bad_words_token_ids, sampling_metadata.output_token_ids)
+        return logits
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        md = sampling_metadata
+        if md.no_penalties:
+            return logits
+        return apply_all_penalties(
+            logits,
+            md.prompt_mask,
+            md.output_bin_counts,
+            md.presence_penalties,
+            md.frequency_penalties,
+            md.repetition_penalties,
+        )
 
     @staticmethod
     def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

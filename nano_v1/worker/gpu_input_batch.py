@@ -5,7 +5,8 @@ Mirrors vllm/v1/worker/gpu_input_batch.py (chapters 05 and 12).
 Why it exists: rebuilding the batch every step costs O(batch x context) Python work;
 keeping each request in a fixed row of preallocated arrays and applying only the
 scheduler's diff (a new request, a finished one, a few new block ids) costs
-O(changes). Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
+O(changes). The penalties' token bins follow the same rule: a row's prompt bins are
+written once when it joins, and each sampled token adds one count. Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
 `[:num_reqs]` and handed to numpy or copied to the device in one piece.
 """
 
@@ -19,7 +20,13 @@ import torch
 
 from nano_v1.core.sched.output import NewRequestData
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
-from nano_v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MinTokensLogitsProcessor
+from nano_v1.sample.logits_processor import (
+    BatchUpdate,
+    LogitBiasLogitsProcessor,
+    LogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.worker.block_table import CpuGpuBuffer, MultiGroupBlockTable
@@ -91,6 +98,7 @@ class InputBatch:
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
+        self.device = device
 
         # Row -> request id; None marks a hole left by remove_request until condense().
         self._req_ids: list[str | None] = []
@@ -125,6 +133,32 @@ class InputBatch:
         self.random_reqs: set[str] = set()
         self.top_p_reqs: set[str] = set()
         self.top_k_reqs: set[str] = set()
+        # Penalty columns, and the rows' token bins: [max_num_reqs, vocab] on the device,
+        # allocated when the first request with a penalty joins and valid in such rows only.
+        # `num_counted_output_tokens[i]`: how many of row i's output tokens its bins count.
+        self.presence_penalties = CpuGpuBuffer(
+            max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory
+        )
+        self.frequency_penalties = CpuGpuBuffer(
+            max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory
+        )
+        self.repetition_penalties = CpuGpuBuffer(
+            max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory
+        )
+        self.presence_penalties_reqs: set[str] = set()
+        self.frequency_penalties_reqs: set[str] = set()
+        self.repetition_penalties_reqs: set[str] = set()
+        self.prompt_mask: torch.Tensor | None = None
+        self.output_bin_counts: torch.Tensor | None = None
+        self.num_counted_output_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Row -> the request's output token ids (its own list, which the runner extends).
+        self.req_output_token_ids: list[list[int] | None] = []
+        # [max_num_reqs, vocab] bool on the device, True where a row may not sample; allocated
+        # when the first request with allowed_token_ids joins.
+        self.allowed_token_ids_mask: torch.Tensor | None = None
+        self.has_allowed_token_ids: set[str] = set()
+        # Row -> bad words as token id sequences.
+        self.bad_words_token_ids: dict[int, list[list[int]]] = {}
         # Row -> generator, for seeded requests only.
         self.generators: dict[int, torch.Generator] = {}
         # Request id -> number of top logprobs it wants.
@@ -133,7 +167,11 @@ class InputBatch:
         # (drafts would need them at every position) or min_tokens (the stop mask too).
         self.spec_decode_unsupported_reqs: set[str] = set()
         # Logits processors and the batch changes they have not seen yet (removed, added, moved).
-        self.logitsprocs: list[LogitsProcessor] = [MinTokensLogitsProcessor(device)]
+        self.logitsprocs: list[LogitsProcessor] = [
+            MinPLogitsProcessor(device),
+            LogitBiasLogitsProcessor(device),
+            MinTokensLogitsProcessor(device),
+        ]
         self._removed: list[int] = []
         self._added: list[tuple[int, SamplingParams, list[int]]] = []
         self._moved: list[tuple[int, int]] = []
@@ -146,6 +184,10 @@ class InputBatch:
             self.temperature.np,
             self.top_p.np,
             self.top_k.np,
+            self.presence_penalties.np,
+            self.frequency_penalties.np,
+            self.repetition_penalties.np,
+            self.num_counted_output_tokens,
         ]
         self.sampling_metadata = self._make_sampling_metadata()
 
@@ -165,9 +207,11 @@ class InputBatch:
             req_index = len(self._req_ids)
             assert req_index < self.max_num_reqs, "persistent batch is full"
             self._req_ids.append(request.req_id)
+            self.req_output_token_ids.append(request.output_token_ids)
         else:
             assert self._req_ids[req_index] is None, f"row {req_index} is occupied"
             self._req_ids[req_index] = request.req_id
+            self.req_output_token_ids[req_index] = request.output_token_ids
         req_id = request.req_id
         self.req_id_to_index[req_id] = req_index
 
@@ -199,15 +243,52 @@ class InputBatch:
             self.top_k.np[req_index] = self.vocab_size
         if request.generator is not None:
             self.generators[req_index] = request.generator
+        self._add_penalties(req_index, request)
+        if params.allowed_token_ids:
+            self.has_allowed_token_ids.add(req_id)
+            if self.allowed_token_ids_mask is None:
+                self.allowed_token_ids_mask = torch.zeros(
+                    self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device
+                )
+            self.allowed_token_ids_mask[req_index] = True
+            self.allowed_token_ids_mask[req_index, params.allowed_token_ids] = False
+        elif self.allowed_token_ids_mask is not None:
+            self.allowed_token_ids_mask[req_index] = False
+        if params.bad_words_token_ids:
+            self.bad_words_token_ids[req_index] = params.bad_words_token_ids
         if params.logprobs is not None:
             # Asking for more than the vocabulary returns the whole vocabulary.
             self.num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
-        if params.logprobs is not None or params.min_tokens > 0:
+        if params.logprobs is not None or params.min_tokens > 0 or _shapes_logits(params):
             self.spec_decode_unsupported_reqs.add(req_id)
         if req_index in self._removed:
             self._removed.remove(req_index)  # the hole is filled: not a removal any more
         self._added.append((req_index, params, request.output_token_ids))
         return req_index
+
+    def _add_penalties(self, req_index: int, request: CachedRequestState) -> None:
+        """Write the row's penalties and, if it has any, its bins: prompt tokens, output so far."""
+        params = request.sampling_params
+        req_id = request.req_id
+        self.presence_penalties.np[req_index] = params.presence_penalty
+        self.frequency_penalties.np[req_index] = params.frequency_penalty
+        self.repetition_penalties.np[req_index] = params.repetition_penalty
+        if params.presence_penalty != 0.0:
+            self.presence_penalties_reqs.add(req_id)
+        if params.frequency_penalty != 0.0:
+            self.frequency_penalties_reqs.add(req_id)
+        if params.repetition_penalty != 1.0:
+            self.repetition_penalties_reqs.add(req_id)
+        if not self._has_penalties(req_id):
+            return
+        if self.prompt_mask is None:
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            self.output_bin_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.prompt_mask[req_index] = False
+        self.prompt_mask[req_index, request.prompt_token_ids] = True
+        self.output_bin_counts[req_index] = 0
+        self.num_counted_output_tokens[req_index] = 0  # refresh_metadata counts the output
 
     def remove_request(self, req_id: str) -> int | None:
         """Leave a hole where `req_id` was; return its row (None if it was not here).
@@ -223,8 +304,16 @@ class InputBatch:
         self.top_p_reqs.discard(req_id)
         self.top_k_reqs.discard(req_id)
         self.generators.pop(req_index, None)
+        self.presence_penalties_reqs.discard(req_id)
+        self.frequency_penalties_reqs.discard(req_id)
+        self.repetition_penalties_reqs.discard(req_id)
+        self.has_allowed_token_ids.discard(req_id)
+        self.bad_words_token_ids.pop(req_index, None)
+        self.req_output_token_ids[req_index] = None
         self.num_logprobs.pop(req_id, None)
         self.spec_decode_unsupported_reqs.discard(req_id)
+        # Added since the last refresh: the processors must not hear of it at all.
+        self._added = [added for added in self._added if added[0] != req_index]
         self._removed.append(req_index)
         return req_index
 
@@ -245,6 +334,7 @@ class InputBatch:
     def _trim_trailing_holes(self) -> None:
         while self._req_ids and self._req_ids[-1] is None:
             self._req_ids.pop()
+            self.req_output_token_ids.pop()
 
     def _move_request(self, src: int, tgt: int) -> None:
         req_id = self._req_ids[src]
@@ -259,6 +349,15 @@ class InputBatch:
         generator = self.generators.pop(src, None)
         if generator is not None:
             self.generators[tgt] = generator
+        self.req_output_token_ids[tgt], self.req_output_token_ids[src] = self.req_output_token_ids[src], None
+        bad_words = self.bad_words_token_ids.pop(src, None)
+        if bad_words is not None:
+            self.bad_words_token_ids[tgt] = bad_words
+        if self.prompt_mask is not None and self._has_penalties(req_id):
+            self.prompt_mask[tgt] = self.prompt_mask[src]
+            self.output_bin_counts[tgt] = self.output_bin_counts[src]
+        if self.allowed_token_ids_mask is not None:
+            self.allowed_token_ids_mask[tgt] = self.allowed_token_ids_mask[src]
         self._moved.append((src, tgt))
 
     # ------------------------------------------------------------------ sampling
@@ -279,6 +378,38 @@ class InputBatch:
         return not self.top_k_reqs
 
     @property
+    def no_penalties(self) -> bool:
+        return not (
+            self.presence_penalties_reqs or self.frequency_penalties_reqs or self.repetition_penalties_reqs
+        )
+
+    def _has_penalties(self, req_id: str) -> bool:
+        return (
+            req_id in self.presence_penalties_reqs
+            or req_id in self.frequency_penalties_reqs
+            or req_id in self.repetition_penalties_reqs
+        )
+
+    def _count_new_output_tokens(self) -> None:
+        """Add the output tokens sampled since the last step to the bins of rows with penalties."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        penalized = (
+            self.presence_penalties_reqs | self.frequency_penalties_reqs | self.repetition_penalties_reqs
+        )
+        for req_id in penalized:
+            row = self.req_id_to_index[req_id]
+            output = self.req_output_token_ids[row]
+            new = output[self.num_counted_output_tokens[row] :]
+            rows += [row] * len(new)
+            token_ids += new
+            self.num_counted_output_tokens[row] = len(output)
+        if rows:
+            index = (torch.tensor(rows, device=self.device), torch.tensor(token_ids, device=self.device))
+            ones = torch.ones(len(rows), dtype=torch.int32, device=self.device)
+            self.output_bin_counts.index_put_(index, ones, accumulate=True)
+
+    @property
     def max_num_logprobs(self) -> int | None:
         return max(self.num_logprobs.values()) if self.num_logprobs else None
 
@@ -292,11 +423,14 @@ class InputBatch:
             self._removed, self._added, self._moved = [], [], []
         for processor in self.logitsprocs:
             processor.update_state(batch_update)
+        if not self.no_penalties:
+            self._count_new_output_tokens()
         if batch_update is not None:
             self.sampling_metadata = self._make_sampling_metadata()
 
     def _make_sampling_metadata(self) -> SamplingMetadata:
         num_reqs = self.num_reqs
+        no_penalties = self.no_penalties
         # Columns nobody uses are not copied to the device at all.
         return SamplingMetadata(
             temperature=None if self.all_greedy else self.temperature.copy_to_gpu(num_reqs),
@@ -307,6 +441,18 @@ class InputBatch:
             generators=self.generators,
             max_num_logprobs=self.max_num_logprobs,
             logitsprocs=self.logitsprocs,
+            no_penalties=no_penalties,
+            presence_penalties=None if no_penalties else self.presence_penalties.copy_to_gpu(num_reqs),
+            frequency_penalties=None if no_penalties else self.frequency_penalties.copy_to_gpu(num_reqs),
+            repetition_penalties=None if no_penalties else self.repetition_penalties.copy_to_gpu(num_reqs),
+            # Views: the bins are updated in place every step, the metadata only on changes.
+            prompt_mask=None if no_penalties else self.prompt_mask[:num_reqs],
+            output_bin_counts=None if no_penalties else self.output_bin_counts[:num_reqs],
+            output_token_ids=self.req_output_token_ids,
+            allowed_token_ids_mask=None
+            if not self.has_allowed_token_ids
+            else self.allowed_token_ids_mask[:num_reqs],
+            bad_words_token_ids=self.bad_words_token_ids,
         )
 
     def sampling_metadata_for_step(self, discard_req_indices: np.ndarray) -> SamplingMetadata:
@@ -321,3 +467,16 @@ class InputBatch:
             return metadata
         generators = {row: g for row, g in metadata.generators.items() if row not in discarded}
         return dataclasses.replace(metadata, generators=generators)
+
+
+def _shapes_logits(params: SamplingParams) -> bool:
+    """True for the settings the rejection sampler does not apply to drafts (chapter 10)."""
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or params.min_p > 0.0
+        or bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+        or bool(params.bad_words)
+    )

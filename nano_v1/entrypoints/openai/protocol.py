@@ -9,8 +9,8 @@ that validates them for `LLM` too; `to_sampling_params` hands the values over.
 
 A request never silently gets less than it asked for: a field we do not implement is a
 400 naming it, as OpenAI answers an unknown parameter and vLLM an unsupported one. The
-OpenAI fields clients often send with their no-op value (`presence_penalty: 0`, `echo:
-false`) are declared, and accepted only with that value.
+OpenAI fields clients often send with their no-op value (`echo: false`) are declared, and
+accepted only with that value.
 
 What a request may cost is bounded before it is handled (issue 26: one body of a million
 unknown keys held the event loop for 34 s): unknown fields are found by one set
@@ -20,7 +20,9 @@ first bad item (`fail_fast`), and a request has at most `MAX_STOP` stop strings,
 
 What differs from v0.11.0: v0.11.0 ignores unknown fields (with a warning) and has no
 bound on stop strings, prompts or messages per request; its token ids accept what pydantic
-coerces to int (`"1"`, `true`), ours only JSON integers.
+coerces to int (`"1"`, `true`), ours only JSON integers; it clamps a `logit_bias` value to
+[-100, 100] where ours is a 400 outside it (OpenAI's range), and bounds neither
+`bad_words` nor `logit_bias` in size.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ MAX_STOP = 64
 # The most messages a chat may have, and content parts a message: validating each costs
 # microseconds, on the event loop (300,000 messages held it for a second).
 MAX_CHAT_ITEMS = 10_000
+# The most bad words a request may have (each is tokenized twice, on the event loop), and
+# logit_bias entries (each checked in Python); a wider restriction is `allowed_token_ids`.
+MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS = 1024
 # How many unknown fields an error names; it counts the rest.
 MAX_NAMED_FIELDS = 3
 
@@ -131,7 +137,8 @@ def _reject_unless(no_op_values: tuple[Any, ...]):
 
 
 class SamplingRequest(OpenAIRequestModel):
-    """The fields completions and chat share (OpenAI's, plus vLLM's top_k, min_tokens, ignore_eos)."""
+    """The fields completions and chat share: OpenAI's, plus vLLM's extras (top_k, min_p,
+    repetition_penalty, bad_words, allowed_token_ids, min_tokens, ignore_eos)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -147,13 +154,26 @@ class SamplingRequest(OpenAIRequestModel):
     ignore_eos: bool = False
     # Accepted with any value: OpenAI uses it to monitor abuse; it has no effect on output.
     user: str | None = None
-    # Not implemented: accepted only at their no-op values.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token ids, as JSON object keys (strings), to a bias in [-100, 100].
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS, fail_fast=True)] | None = None
+    allowed_token_ids: TokenIds | None = None
 
-    _check_penalties = field_validator("frequency_penalty", "presence_penalty")(_reject_unless((0.0,)))
-    _check_logit_bias = field_validator("logit_bias")(_reject_unless((None, {})))
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token_id, bias in (value or {}).items():
+            if not token_id.isdecimal():
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {token_id!r}.")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}."
+                )
+        return value
 
     def num_logprobs(self) -> int | None:
         """Top logprobs per token (0: the sampled token's only), or None for no logprobs."""
@@ -166,6 +186,13 @@ class SamplingRequest(OpenAIRequestModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             min_tokens=self.min_tokens,

@@ -3,7 +3,17 @@
 Mirrors vllm/v1/sample/logits_processor/ (chapter 05).
 """
 
-from nano_v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+from nano_v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from nano_v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 
-__all__ = ["BatchUpdate", "LogitsProcessor", "MinTokensLogitsProcessor"]
+__all__ = [
+    "BatchUpdate",
+    "LogitBiasLogitsProcessor",
+    "LogitsProcessor",
+    "MinPLogitsProcessor",
+    "MinTokensLogitsProcessor",
+]
