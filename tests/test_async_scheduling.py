@@ -19,13 +19,11 @@ import random
 import threading
 from collections import deque
 
-import openai
 import pytest
 from helpers.checkpoints import make_tiny_checkpoint
 from helpers.cli import run_cli
 from helpers.engine_core import LoopOnlyCore, start_input_loop, wait
 from helpers.scheduler import FakeModelRunner, make_requests, make_scheduler, reference_output
-from helpers.servers import BackgroundServer, stream_completion, wait_until_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -501,6 +499,8 @@ def test_async_scheduling_changes_no_output(sync_and_async_llms, monkeypatch, pa
 def test_async_scheduling_with_the_engine_core_in_its_own_process(sync_and_async_llms, monkeypatch):
     """The busy loop of EngineCoreProc collects the step still in flight when the last
     request finishes, and serves the next requests after it."""
+    for package in ("zmq", "msgspec"):  # the engine core's own process talks ZMQ; the GPU image has neither
+        pytest.importorskip(package)
     sync, _ = sync_and_async_llms
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = LLM(**ENGINE_KWARGS, async_scheduling=True)
@@ -529,6 +529,9 @@ def test_the_streaming_server_with_async_scheduling(sync_and_async_llms):
     """The OpenAI server (its engine core in a process of its own, the worker in another)
     streams what the synchronous engine generates, stop strings included, and every KV
     block is free again once the requests are done."""
+    openai = pytest.importorskip("openai")  # the serving packages: the GPU image has none
+    from helpers.servers import BackgroundServer, stream_completion, wait_until_idle
+
     sync, _ = sync_and_async_llms
     server = BackgroundServer(EngineArgs(**ENGINE_KWARGS, async_scheduling=True))
     try:
