@@ -1,14 +1,52 @@
 """The logits processors every engine has.
 
 Mirrors vllm/v1/sample/logits_processor/builtin.py (`MinPLogitsProcessor`,
-`LogitBiasLogitsProcessor`, `MinTokensLogitsProcessor`) (chapter 05).
+`LogitBiasLogitsProcessor`, `MinTokensLogitsProcessor`, `process_dict_updates`) (chapter 05).
+
+What differs from v0.11.0: the batch's moves are one-way (`condense` fills holes), never
+swaps, so `process_dict_updates` has no swap case; and it applies removals before additions,
+as nano_v1's `BatchUpdate` asks, since a row removed and refilled in one update appears in both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from nano_v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
+from nano_v1.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+def process_dict_updates(
+    req_entries: dict[int, T],
+    batch_update: BatchUpdate | None,
+    new_state: Callable[[SamplingParams, list[int]], T | None],
+) -> bool:
+    """Apply a batch update to a sparse row -> state dict; True if the dict changed.
+
+    `new_state(params, output_token_ids)` is an added request's state, or None when the
+    processor has nothing to do for it (its row then holds no entry).
+    """
+    if batch_update is None:
+        return False
+    changed = False
+    for row in batch_update.removed:
+        changed |= req_entries.pop(row, None) is not None
+    for row, params, output_token_ids in batch_update.added:
+        changed |= req_entries.pop(row, None) is not None
+        state = new_state(params, output_token_ids)
+        if state is not None:
+            req_entries[row] = state
+            changed = True
+    for src, tgt in batch_update.moved:
+        if src in req_entries:
+            req_entries[tgt] = req_entries.pop(src)
+            changed = True
+    return changed
 
 
 class MinTokensLogitsProcessor(LogitsProcessor):
@@ -29,24 +67,12 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         return False  # a forbidden EOS can be the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        changed = False
-        if batch_update is not None:
-            for row in batch_update.removed:
-                changed |= self.min_toks.pop(row, None) is not None
-            for row, params, output_token_ids in batch_update.added:
-                changed |= self.min_toks.pop(row, None) is not None
-                if len(output_token_ids) < params.min_tokens and params.all_stop_token_ids:
-                    self.min_toks[row] = (
-                        params.min_tokens,
-                        output_token_ids,
-                        frozenset(params.all_stop_token_ids),
-                    )
-                    changed = True
-            for src, tgt in batch_update.moved:
-                entry = self.min_toks.pop(src, None)
-                if entry is not None:
-                    self.min_toks[tgt] = entry
-                    changed = True
+        def new_state(params: SamplingParams, output_token_ids: list[int]) -> tuple | None:
+            if len(output_token_ids) < params.min_tokens and params.all_stop_token_ids:
+                return params.min_tokens, output_token_ids, frozenset(params.all_stop_token_ids)
+            return None
+
+        changed = process_dict_updates(self.min_toks, batch_update, new_state)
         reached = [row for row, (min_tokens, output, _) in self.min_toks.items() if len(output) >= min_tokens]
         for row in reached:
             del self.min_toks[row]
@@ -83,16 +109,7 @@ class MinPLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        for row in batch_update.removed:
-            self.min_p.pop(row, None)
-        for row, params, _ in batch_update.added:
-            self.min_p.pop(row, None)
-            if params.min_p > 0.0:
-                self.min_p[row] = params.min_p
-        for src, tgt in batch_update.moved:
-            value = self.min_p.pop(src, None)
-            if value is not None:
-                self.min_p[tgt] = value
+        process_dict_updates(self.min_p, batch_update, lambda params, _: params.min_p or None)
         self.min_p_column = None
         if self.min_p:
             column = [0.0] * batch_update.batch_size
@@ -125,22 +142,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         return False  # a bias can lift any token above the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        changed = False
-        for row in batch_update.removed:
-            changed |= self.biases.pop(row, None) is not None
-        for row, params, _ in batch_update.added:
-            changed |= self.biases.pop(row, None) is not None
-            if params.logit_bias:
-                self.biases[row] = params.logit_bias
-                changed = True
-        for src, tgt in batch_update.moved:
-            biases = self.biases.pop(src, None)
-            if biases is not None:
-                self.biases[tgt] = biases
-                changed = True
-        if not changed:
+        if not process_dict_updates(self.biases, batch_update, lambda params, _: params.logit_bias or None):
             return
         rows = [row for row, biases in self.biases.items() for _ in biases]
         token_ids = [token_id for biases in self.biases.values() for token_id in biases]
