@@ -23,7 +23,13 @@ import pytest
 from helpers.checkpoints import make_tiny_checkpoint
 from helpers.cli import run_cli
 from helpers.engine_core import LoopOnlyCore, start_input_loop, wait
-from helpers.scheduler import FakeModelRunner, make_requests, make_scheduler, reference_output
+from helpers.scheduler import (
+    FakeModelRunner,
+    arrive_and_abort,
+    make_requests,
+    make_scheduler,
+    reference_output,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -112,13 +118,7 @@ def run_async_workload(
     while pending or sched.has_unfinished_requests() or batch_queue:
         steps += 1
         assert steps < max_steps, f"the scheduler stopped making progress ({max_steps} steps)"
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                sched.add_request(pending.pop(0))
-        if sched.requests and rng.random() < abort_prob:
-            victim = rng.choice(sorted(sched.requests))
-            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-            aborted.add(victim)
+        arrive_and_abort(sched, pending, abort_prob, rng, aborted)
         if sched.has_unfinished_requests():
             for request in sched.waiting:
                 assert request.num_output_placeholders == 0, f"{request.request_id} waits on a step in flight"

@@ -184,6 +184,14 @@ def make_request(spec: dict, block_hasher) -> Request:
     )
 
 
+def apply_trace_step_requests(sched: Scheduler, entry: dict, specs: dict[str, dict], block_hasher) -> None:
+    """The trace step's arrivals, then its aborts, as the recorder applied them."""
+    for req_id in entry["arrivals"]:
+        sched.add_request(make_request(specs[req_id], block_hasher))
+    for req_id in entry["aborts"]:
+        sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+
 def ordered(value):
     """Dicts compare with their order: the order of `scheduled` is the order of the batch."""
     return list(value.items()) if isinstance(value, dict) else value
@@ -234,10 +242,7 @@ def replay(trace: dict, checked=frozenset(ALL_FIELDS)) -> None:
     specs = {spec["req_id"]: spec for spec in trace["requests"]}
     for entry in trace["steps"]:
         step = entry["step"]
-        for req_id in entry["arrivals"]:
-            sched.add_request(make_request(specs[req_id], block_hasher))
-        for req_id in entry["aborts"]:
-            sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        apply_trace_step_requests(sched, entry, specs, block_hasher)
 
         was_running = [r.request_id for r in sched.running]
         so = sched.schedule()
@@ -415,10 +420,7 @@ def replay_async(trace: dict) -> None:
     sched.schedule = recording_schedule
     for entry in trace["steps"]:
         step = entry["step"]
-        for req_id in entry["arrivals"]:
-            sched.add_request(make_request(specs[req_id], block_hasher))
-        for req_id in entry["aborts"]:
-            sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        apply_trace_step_requests(sched, entry, specs, block_hasher)
         scheduled.clear()
         executor.entry = entry
         engine_outputs = core.step_with_batch_queue()

@@ -158,6 +158,19 @@ def check_kv_invariants(sched: Scheduler) -> None:
             assert block.block_hash is not None, "only cached full blocks may be shared"
 
 
+def arrive_and_abort(
+    sched: Scheduler, pending: list[Request], abort_prob: float, rng: random.Random, aborted: set[str]
+) -> None:
+    """One step's arrivals (0 to 3 of the pending requests) and, with `abort_prob`, one abort."""
+    for _ in range(rng.randint(0, 3)):
+        if pending:
+            sched.add_request(pending.pop(0))
+    if sched.requests and rng.random() < abort_prob:
+        victim = rng.choice(sorted(sched.requests))
+        sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        aborted.add(victim)
+
+
 def run_workload(
     sched: Scheduler, requests, abort_prob: float, rng: random.Random, max_steps: int = 5000, runner=None
 ):
@@ -169,13 +182,7 @@ def run_workload(
     while pending or sched.has_unfinished_requests():
         steps += 1
         assert steps < max_steps, f"the scheduler stopped making progress ({max_steps} steps)"
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                sched.add_request(pending.pop(0))
-        if sched.requests and rng.random() < abort_prob:
-            victim = rng.choice(sorted(sched.requests))
-            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-            aborted.add(victim)
+        arrive_and_abort(sched, pending, abort_prob, rng, aborted)
         if not sched.has_unfinished_requests():
             continue
         so = sched.schedule()
