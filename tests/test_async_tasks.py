@@ -178,7 +178,9 @@ def test_each_token_that_arrives_takes_its_placeholder_back():
         assert [(o.request_id, o.new_token_ids) for o in outputs.outputs] == [("0", [token])], (
             f"the update of step {step} must report its token {token} for request 0: {outputs.outputs}"
         )
-        assert req.output_token_ids[-1] == token, f"the token of step {step} must be appended: {req.output_token_ids}"
+        assert req.output_token_ids[-1] == token, (
+            f"the token of step {step} must be appended: {req.output_token_ids}"
+        )
         assert req.num_output_placeholders == len(in_flight), (
             f"after step {step}'s token came back, request 0 has {len(in_flight)} step(s) in flight and so "
             f"{len(in_flight)} placeholder(s) (one taken back per token kept); it has {req.num_output_placeholders}"
@@ -188,9 +190,10 @@ def test_each_token_that_arrives_takes_its_placeholder_back():
 
 @pytest.mark.ch14_t2
 def test_blocks_are_cached_only_where_the_steps_are_done():
-    """Rules: cache up to `num_computed_tokens - num_output_placeholders`, never further (a
-    token on its way has no hash; the token that just arrived has no KV yet). Three steps in
-    flight, a block of 4 tokens, prefix caching on; the spy checks every call."""
+    """Rules: cache (`self.kv_cache_manager.cache_blocks(request, n)`) up to
+    `num_computed_tokens - num_output_placeholders`, never further (a token on its way has no
+    hash; the token that just arrived has no KV yet). Three steps in flight, a block of 4
+    tokens, prefix caching on; the spy checks every call."""
     sched = async_scheduler()
     spy = CacheSpy(sched)
     sched.add_request(request("0", list(range(6))))
@@ -212,9 +215,9 @@ def test_a_request_that_stops_with_no_step_in_flight_leaves_its_last_token_uncac
     sched.add_request(request("0", [1, 2, 3], max_tokens=1))
     scheduler_output = sched.schedule()  # the prompt; it samples token 4, which fills block 0
     outputs = sched.update_from_output(scheduler_output, every_request_samples(scheduler_output, 4))
-    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs.outputs] == [("0", [4], "length")], (
-        f"request 0 samples token 4 and stops at max_tokens=1: {outputs.outputs}"
-    )
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs.outputs] == [
+        ("0", [4], "length")
+    ], f"request 0 samples token 4 and stops at max_tokens=1: {outputs.outputs}"
     assert spy.calls, "a request that was running when its output arrived is cached, even if it stopped"
     sched.add_request(request("1", [1, 2, 3, 4, 5]))
     sched.schedule()
@@ -288,7 +291,8 @@ class BatchQueueCore(EngineCore):
         self.has = has_requests
         self.scheduler = types.SimpleNamespace(
             has_requests=lambda: self.has,
-            has_unfinished_requests=lambda: self.has and self.num_tokens > 0,  # an empty step: only finished ids
+            # A step of no tokens stands for one that only tells the runner of finished ids.
+            has_unfinished_requests=lambda: self.has and self.num_tokens > 0,
             schedule=self._schedule,
             update_from_output=self._update_from_output,
         )
@@ -303,7 +307,9 @@ class BatchQueueCore(EngineCore):
         return self.launched[-1]
 
     def _update_from_output(self, scheduler_output, model_output: str) -> str:
-        assert model_output == f"output of step {scheduler_output.step}", "a step's output goes with its own step"
+        assert model_output == f"output of step {scheduler_output.step}", (
+            "a step's output goes with its own step"
+        )
         self.updated.append(scheduler_output.step)
         return f"outputs of step {scheduler_output.step}"
 
@@ -325,7 +331,9 @@ def test_a_step_is_launched_without_waiting_while_the_queue_has_room():
     core = BatchQueueCore()
     got = core.step_with_batch_queue()
     check_launched_without_blocking(core)
-    assert len(core.launched) == 1, f"the first call must schedule and launch one step; it launched {len(core.launched)}"
+    assert len(core.launched) == 1, (
+        f"the first call must schedule and launch one step; it launched {len(core.launched)}"
+    )
     assert got is None and not core.waited_for(), (
         "with room in the queue and step 1 still running, step_with_batch_queue must return None without "
         f"waiting; it returned {got!r} and waited for steps {core.waited_for()}"
@@ -434,4 +442,6 @@ def test_each_task_test_names_rules_its_task_states():
         assert doc.startswith("Rules: "), f"{function.__name__} ({task_id}) must say which rules it holds"
         stated = " ".join(TASK_FUNCTIONS[task_id].__doc__.split())
         for name in re.findall(r"`([^`]+)`", doc):
-            assert name in stated, f"{function.__name__} holds {task_id} to `{name}`, which its docstring never states"
+            assert name in stated, (
+                f"{function.__name__} holds {task_id} to `{name}`, which its docstring never states"
+            )

@@ -84,7 +84,8 @@ class AsyncScheduler(Scheduler):
         - The base class appends the tokens and checks the stop conditions; return what it
           returns (the tokens kept, whether the request stopped).
         - Each token kept was on its way: one placeholder fewer per token.
-        - Then cache the request's blocks up to the tokens whose steps are done:
+        - Then cache the request's blocks (`self.kv_cache_manager.cache_blocks(request, n)`)
+          up to the tokens whose steps are done, n =
           `num_computed_tokens - num_output_placeholders` (`num_computed_tokens` counts the
           steps still in flight). Never further: a token on its way has no value, so no
           block hash; and the token that just arrived has no KV until a step computes it (a
