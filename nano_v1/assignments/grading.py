@@ -1,6 +1,6 @@
 """Grade a student copy: run the chapters' tests and score each task.
 
-Course machinery (the tasks of chapters 01-11); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
 
 Why it exists: `pytest -m ch04` says which tests fail, not which task is done or what is
 wrong with it. A task with n tests earns passed/n points, and `all_passed` says when it

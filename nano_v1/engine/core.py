@@ -164,15 +164,24 @@ class EngineCore:
         """Schedule and launch a step without waiting for it, if the queue has room; then wait
         for the oldest step only if nothing more can be launched (chapter 14).
 
-        Returns the outputs of the step it waited for, or None when it only launched one:
-        the queue had room, and the step before is still running. It schedules while the
-        scheduler `has_requests()`, finished ones not yet reported to the runner included
-        (then the step is empty, and it waits rather than leave that in flight).
+        Returns the outputs of the step it waited for, or None when it only launched one.
         Speculative decoding is refused with async scheduling, so there are no drafts to
-        take (`post_step`).
+        take (`post_step`). The rules, in order:
+        - While the scheduler `has_requests()` (unfinished ones, or finished ones whose ids
+          the runner has not been sent yet, which `has_unfinished_requests()` leaves out),
+          schedule a step and launch it without waiting:
+          `execute_model(scheduler_output, non_block=True)` returns a `Future`. The queue
+          holds `(future, scheduler_output)` pairs, the newest on the left.
+        - Return None at once, waiting for nothing, if the step just launched computes
+          tokens, the queue still has room, and the oldest step has not finished yet.
+        - Otherwise (the queue is full, the step is empty, there was nothing to schedule, or
+          the oldest step is already done) wait for the oldest step, the one launched first,
+          and return what `update_from_output` makes of its output.
+        - With nothing to schedule and nothing in flight, return None.
         """
         batch_queue = self.batch_queue
         assert batch_queue is not None and len(batch_queue) < self.batch_queue_size
+        # BEGIN TASK ch14_t3: schedule and launch without blocking while there is room; else wait for the oldest step and update from it
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
             future = self.model_executor.execute_model(scheduler_output, non_block=True)
@@ -184,6 +193,7 @@ class EngineCore:
             return None
         future, scheduler_output = batch_queue.pop()
         return self.scheduler.update_from_output(scheduler_output, future.result())
+        # END TASK
 
     def post_step(self, model_executed: bool) -> None:
         """Give the scheduler the drafts proposed during the step (speculative decoding, chapter 10).

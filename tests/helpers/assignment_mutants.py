@@ -988,4 +988,101 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="output_parallel = F.linear(x, self.weight, bias) * get_tensor_model_parallel_world_size()",
         ),
     ],
+    "ch14_t1": [
+        Mutant(
+            "every_step_samples",
+            "adds a placeholder for every scheduled request, prefill chunks short of the prompt's end included",
+            old=(
+                "            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:\n"
+                "                request.num_output_placeholders += 1\n"
+            ),
+            new="            request.num_output_placeholders += 1\n",
+        ),
+        Mutant(
+            "forgets_the_tokens_on_their_way",
+            "compares with num_tokens alone, so a step scheduled while another is in flight samples nothing",
+            old="if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:",
+            new="if request.num_computed_tokens == request.num_tokens:",
+        ),
+        Mutant(
+            "one_placeholder_at_most",
+            "sets the count to 1 instead of adding one, as if only one step could be in flight",
+            old="request.num_output_placeholders += 1",
+            new="request.num_output_placeholders = 1",
+        ),
+        Mutant(
+            "skips_the_base_update",
+            "forgets the synchronous scheduler's update, so the step's tokens are never counted as computed",
+            old="        super()._update_after_schedule(scheduler_output)\n",
+            new="",
+        ),
+    ],
+    "ch14_t2": [
+        Mutant(
+            "caches_the_steps_in_flight",
+            "caches up to num_computed_tokens, which counts the steps still in flight and their placeholders",
+            old="request, request.num_computed_tokens - request.num_output_placeholders",
+            new="request, request.num_computed_tokens",
+        ),
+        Mutant(
+            "caches_the_token_just_sampled",
+            "caches up to num_tokens, the token that just arrived included, whose KV no finished step wrote",
+            old="request, request.num_computed_tokens - request.num_output_placeholders",
+            new="request, request.num_tokens",
+        ),
+        Mutant(
+            "keeps_the_placeholder",
+            "never takes a placeholder back, so the scheduler keeps counting tokens that have arrived",
+            old="        request.num_output_placeholders -= len(new_token_ids)\n",
+            new="",
+        ),
+        Mutant(
+            "caches_a_preempted_request",
+            "caches every request that did not stop, one preempted with a step in flight (no blocks) too",
+            old="if status_before_update == RequestStatus.RUNNING:",
+            new="if not stopped:",
+        ),
+    ],
+    "ch14_t3": [
+        Mutant(
+            "waits_every_step",
+            "never returns early: it waits for each step right after launching it, and nothing overlaps",
+            old=(
+                "            if model_executed and len(batch_queue) < self.batch_queue_size "
+                "and not batch_queue[-1][0].done():\n"
+                "                return None\n"
+            ),
+            new="",
+        ),
+        Mutant(
+            "updates_the_newest_step",
+            "pops the step just launched instead of the oldest, so steps are updated out of order",
+            old="future, scheduler_output = batch_queue.pop()",
+            new="future, scheduler_output = batch_queue.popleft()",
+        ),
+        Mutant(
+            "ignores_a_finished_step",
+            "returns None while the queue has room even when the oldest step is already done",
+            old="len(batch_queue) < self.batch_queue_size and not batch_queue[-1][0].done()",
+            new="len(batch_queue) < self.batch_queue_size",
+        ),
+        Mutant(
+            "leaves_an_empty_step_in_flight",
+            "returns early after a step of no tokens too, instead of waiting for the oldest step",
+            old="if model_executed and len(batch_queue)",
+            new="if len(batch_queue)",
+        ),
+        Mutant(
+            "blocks_on_each_launch",
+            "launches the step without non_block=True, so execute_model returns only when the step has run",
+            old="self.model_executor.execute_model(scheduler_output, non_block=True)",
+            new="self.model_executor.execute_model(scheduler_output)",
+        ),
+        Mutant(
+            "forgets_finished_ids",
+            "schedules only while requests are unfinished, so finished ids never reach the runner",
+            old="if self.scheduler.has_requests():",
+            new="if self.scheduler.has_unfinished_requests():",
+        ),
+    ],
 }

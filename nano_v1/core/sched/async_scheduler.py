@@ -51,6 +51,19 @@ from nano_v1.request import Request, RequestStatus
 
 class AsyncScheduler(Scheduler):
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance as the synchronous scheduler does, then count the tokens this step will sample.
+
+        Rules (any number of steps may be in flight; the engine keeps two, the tests drive three):
+        - First the base class's update: each scheduled request's `num_computed_tokens`
+          grows by its scheduled tokens, as if the step had run.
+        - A scheduled request gets one placeholder when this step's tokens reach the end of
+          all its tokens, those it has and those still on their way
+          (`num_tokens + num_output_placeholders`): the step samples a token for it.
+        - A prefill chunk that stops short of the prompt's end samples nothing: no placeholder.
+        - Exactly one per sampling step (no speculative decoding here), so a request with k
+          sampling steps in flight has k placeholders; requests not in this step are untouched.
+        """
+        # BEGIN TASK ch14_t1: advance as the base class does; then one placeholder per scheduled request whose step samples
         super()._update_after_schedule(scheduler_output)
         requests = self.requests
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -59,10 +72,29 @@ class AsyncScheduler(Scheduler):
             # (Speculative decoding is refused with async scheduling: one token per step.)
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
+        # END TASK
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
+        """Append and stop-check as the synchronous scheduler does; then take back the
+        placeholders of the tokens that arrived and cache the blocks whose steps are done.
+
+        Rules:
+        - The base class appends the tokens and checks the stop conditions; return what it
+          returns (the tokens kept, whether the request stopped).
+        - Each token kept was on its way: one placeholder fewer per token.
+        - Then cache the request's blocks (`self.kv_cache_manager.cache_blocks(request, n)`)
+          up to the tokens whose steps are done, n =
+          `num_computed_tokens - num_output_placeholders` (`num_computed_tokens` counts the
+          steps still in flight). Never further: a token on its way has no value, so no
+          block hash; and the token that just arrived has no KV until a step computes it (a
+          request that stops on it with no step in flight never does).
+        - Only for a request that was running when the output arrived (its status before the
+          update): a request preempted with a step in flight holds no blocks, although it
+          keeps that step's token; one that stops on this token was running, and is cached.
+        """
+        # BEGIN TASK ch14_t2: base update; one placeholder back per token kept; cache up to the tokens whose steps are done, if it was running
         status_before_update = request.status
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
         # A request that stopped keeps the placeholder of a step still in flight: it is
@@ -75,3 +107,4 @@ class AsyncScheduler(Scheduler):
                 request, request.num_computed_tokens - request.num_output_placeholders
             )
         return new_token_ids, stopped
+        # END TASK
