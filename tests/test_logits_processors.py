@@ -177,6 +177,23 @@ def test_custom_processor_follows_the_persistent_batch():
         assert got == [rows.get(i, plain[i]) for i in range(batch.num_reqs)]
 
 
+@pytest.mark.slow
+def test_requests_with_extra_args_are_not_drafted_for():
+    """The rejection sampler knows nothing of custom processors, so with n-gram speculation a
+    request with `extra_args` gets no drafts: its tokens are still the processor's."""
+    args = EngineArgs(
+        model=str(DEMO_MODEL_PATH),
+        dtype="float32",
+        logits_processors=[DummyLogitsProcessor],
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+    )
+    llm = LLM.from_engine_args(args, enable_multiprocessing=False)
+    prompt = "x = 1\n" * 8  # repetitive: the n-gram proposer drafts for the other request
+    got = greedy(llm, [prompt, prompt], [params(extra_args={"target_token": 7}), params()])
+    assert got[0] == [7] * MAX_TOKENS
+    assert got[1] == greedy(llm, [prompt], [params()])[0]
+
+
 class NotAProcessor:
     pass
 

@@ -470,9 +470,12 @@ class InputBatch:
 
 
 def _shapes_logits(params: SamplingParams) -> bool:
-    """True for the settings the rejection sampler does not apply to drafts (chapter 10)."""
+    """True for the settings the rejection sampler does not apply to drafts (chapter 10), custom
+    logits processors' `extra_args` included (v0.11.0 drafts for those, and its rejection sampler
+    never applies the processor to the drafted positions)."""
     return (
-        params.presence_penalty != 0.0
+        bool(params.extra_args)
+        or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
         or params.min_p > 0.0
