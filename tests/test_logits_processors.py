@@ -116,8 +116,11 @@ def test_custom_processors_change_exactly_the_rows_that_ask(llm, hf_model):
 def test_custom_processor_by_name_in_the_engine_core_process():
     """The worker in another process builds the processor from its name ("module:Class")."""
     llm = LLM(model=str(DEMO_MODEL_PATH), dtype="float32", logits_processors=[FQCN])
-    got = greedy(llm, PROMPTS[:2], [params(extra_args={"target_token": 11}), params()])
-    alone = greedy(llm, PROMPTS[1:2], [params()])
+    try:
+        got = greedy(llm, PROMPTS[:2], [params(extra_args={"target_token": 11}), params()])
+        alone = greedy(llm, PROMPTS[1:2], [params()])
+    finally:
+        llm.llm_engine.shutdown()
     assert got == [[11] * MAX_TOKENS, alone[0]]
 
 
