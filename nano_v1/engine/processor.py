@@ -8,6 +8,12 @@ rejected with a `ValueError` that names the problem, and no other request is tou
 A multimodal model's prompt may carry images (`{"prompt": ..., "multi_modal_data":
 {"image": ...}}`); the model's processor checks them and expands their placeholders
 here too (chapter 11), so the engine core receives nothing it could fail on.
+
+What differs from v0.11.0: `truncate_prompt_tokens` is checked and applied here, in one
+place; v0.11.0 checks it in `LLM` and `AsyncLLM` (`_validate_truncation_size` in
+vllm/entrypoints/utils.py) and cuts the prompt in its input preprocessor
+(`InputPreprocessor._truncate_inputs` in vllm/inputs/preprocess.py, or the tokenizer's
+left truncation for a text).
 """
 
 from __future__ import annotations
