@@ -233,8 +233,8 @@ def test_builtin_and_custom_processors_take_v0_11_0s_constructor():
 # ---------------------------------------------------------------------------- truncate_prompt_tokens
 @pytest.mark.slow
 def test_truncate_prompt_tokens_keeps_the_last_k_tokens(llm):
-    """The engine sees only the prompt's last k tokens: the same output as those alone, and the
-    prefix cache holds the kept part (a second request hits it)."""
+    """The engine sees only the prompt's last k tokens: the same output as those alone, the
+    prefix cache holds the kept part (a second request hits it), and stop strings still apply."""
     rng = random.Random(3)
     prompt = [rng.randrange(3, 500) for _ in range(70)]
     k = 40
@@ -245,6 +245,11 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(llm):
     assert again.num_cached_tokens == 32  # both full blocks of the 40 kept tokens
     text = llm.generate(PROMPTS[0], params(truncate_prompt_tokens=2), use_tqdm=False)[0]
     assert text.prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])[-2:]
+    # Stop strings match the text that follows the kept part.
+    full = text.outputs[0].text
+    stop = full[3:6]
+    stopped = llm.generate(PROMPTS[0], params(truncate_prompt_tokens=2, stop=[stop]), use_tqdm=False)[0]
+    assert (stopped.outputs[0].text, stopped.outputs[0].finish_reason) == (full[: full.index(stop)], "stop")
     whole = llm.generate(PROMPTS[0], params(truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert whole.prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])  # -1: max_model_len
 
