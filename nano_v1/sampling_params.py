@@ -5,7 +5,8 @@ Mirrors vllm/sampling_params.py (chapter 01).
 This is a user-facing boundary, so every field is checked here, once, with a
 `ValueError` that names the field; nothing downstream re-validates. What needs the model
 is checked where the model is known, in `Processor` (chapter 01): token ids against the
-vocabulary, and `bad_words`, which it tokenizes (`update_from_tokenizer`).
+vocabulary, `bad_words`, which it tokenizes (`update_from_tokenizer`), and
+`truncate_prompt_tokens` against `max_model_len`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _SAMPLING_EPS = 1e-5
@@ -68,7 +70,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: no text at all, token ids only (then no stop strings either: they match text).
+    detokenize: bool = True
+    # With special tokens kept in the text: False glues adjacent added tokens together where
+    # the tokenizer's decoder would put a space between them.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Keep only the prompt's last k tokens (left truncation); -1 means max_model_len.
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Token id -> added to its logit before sampling (OpenAI's `logit_bias`).
     logit_bias: dict[int, float] | None = None
@@ -76,6 +85,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Words the output must not contain: the token sequence that would finish one is forbidden.
     bad_words: list[str] | None = None
+    # Anything a custom logits processor reads (e.g. {"target_token": 7}); the engine never does.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine from the tokenizer; not user settings.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
@@ -177,7 +188,24 @@ class SamplingParams:
             and all(isinstance(w, str) and w.strip() for w in self.bad_words),
             f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.",
         )
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be True or False, got {value!r}.")
+        truncate = self.truncate_prompt_tokens
+        check(
+            truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1)),
+            f"truncate_prompt_tokens must be an integer >= 1 or -1, got {truncate!r}",
+        )
+        check(
+            not (self.stop and not self.detokenize),
+            "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+        )
+        check(
+            self.extra_args is None
+            or (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)),
+            f"extra_args must be a dict with string keys, got {self.extra_args!r}.",
+        )
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
             check(
                 value is None or _INT64_MIN <= value <= _INT64_MAX,

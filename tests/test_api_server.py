@@ -28,7 +28,15 @@ from helpers.servers import TIMEOUT_S, ServerThread, stream_completion, wait_unt
 pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
 
 PROMPT = "def fibonacci(n):\n"
-ENGINE_KWARGS = dict(max_model_len=1024, block_size=16, num_gpu_blocks_override=512, dtype="float32")
+# The example's custom logits processor, by name: the engine core imports it in its own process.
+LOGITS_PROCESSOR = "examples.offline_inference.logits_processor.custom:DummyLogitsProcessor"
+ENGINE_KWARGS = dict(
+    max_model_len=1024,
+    block_size=16,
+    num_gpu_blocks_override=512,
+    dtype="float32",
+    logits_processors=[LOGITS_PROCESSOR],
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +75,18 @@ def test_stop_string_trimmed_streamed_and_not(client):
     assert full.choices[0].text == expected
     assert full.choices[0].finish_reason == "stop"
     assert stream_completion(client, stop=[stop], **kwargs) == ({0: expected}, {0: "stop"})
+
+
+def test_vllm_extras_truncate_prompt_tokens_and_vllm_xargs(server, client):
+    """vLLM's extras reach the engine: the prompt cut to its last 2 tokens, and `vllm_xargs` as a
+    custom logits processor's `extra_args` (only the request that names a target is forced)."""
+    kwargs = dict(model="demo", prompt=PROMPT, max_tokens=6, temperature=0.0)
+    cut = client.completions.create(extra_body={"truncate_prompt_tokens": 2}, **kwargs)
+    assert cut.usage.prompt_tokens == 2
+    forced = client.completions.create(extra_body={"vllm_xargs": {"target_token": 7}}, **kwargs)
+    sevens = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [7] * 6}, timeout=TIMEOUT_S).json()
+    assert forced.choices[0].text == sevens["prompt"]
+    assert client.completions.create(**kwargs).choices[0].text != forced.choices[0].text
 
 
 def test_n2_seeded_stream_equals_non_stream(client):

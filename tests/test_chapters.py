@@ -22,8 +22,11 @@ pytestmark = pytest.mark.ch00
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]-*.md"))
 
-# The package, the checkout's top-level benchmarks/ and tools/, and notebooks/nb.py (not vLLM's own vllm/benchmarks/).
-CODE_REF_RE = re.compile(r"(?<![\w/])((?:nano_v1|benchmarks|tools|notebooks)/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])")
+# The package, the checkout's top-level benchmarks/, examples/ and tools/, and notebooks/nb.py (not vLLM's
+# own vllm/benchmarks/).
+CODE_REF_RE = re.compile(
+    r"(?<![\w/])((?:nano_v1|benchmarks|examples|tools|notebooks)/[\w/]+\.py)::([A-Za-z_][\w.]*[\w])"
+)
 CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
 IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|json))")

@@ -95,8 +95,8 @@ def test_apply_bad_words_forbids_only_completions_of_the_output():
 
 # ---------------------------------------------------------------------------- min-p
 def min_p_processor(min_ps: list[float]) -> MinPLogitsProcessor:
-    processor = MinPLogitsProcessor(torch.device("cpu"))
-    added = [(row, SamplingParams(min_p=m), []) for row, m in enumerate(min_ps)]
+    processor = MinPLogitsProcessor(None, torch.device("cpu"), False)
+    added = [(row, SamplingParams(min_p=m), [], []) for row, m in enumerate(min_ps)]
     processor.update_state(BatchUpdate(len(min_ps), [], added, []))
     return processor
 

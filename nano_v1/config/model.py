@@ -17,11 +17,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nano_v1.config.parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from nano_v1.sample.logits_processor import LogitsProcessor
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,6 +70,10 @@ class ModelConfig:
     FLASH_ATTN on CUDA and TORCH_REFERENCE on the CPU (chapter 06)."""
     disable_cascade_attn: bool = False
     """Never run cascade attention over a shared prefix, even where the model says it pays (chapter 07)."""
+    logits_processors: list[str | type[LogitsProcessor]] | None = None
+    """Custom logits processors: LogitsProcessor subclasses, or their names as 'module.path:ClassName'
+    (a worker in another process imports it by name). Requests opt in through
+    SamplingParams.extra_args."""
     hf_config: Any = field(init=False, repr=False)
     # The language model's part of hf_config: hf_config itself, or a multimodal model's
     # text_config (chapter 11). Every shape accessor below reads this one.

@@ -35,6 +35,7 @@ from nano_v1.config import (
     VllmConfig,
 )
 from nano_v1.config.utils import CONFIG, CONFIG_FIELD, get_attr_docs, get_field
+from nano_v1.sample.logits_processor import LogitsProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class EngineArgs:
     enforce_eager: bool = get_field(ModelConfig, "enforce_eager")
     attention_backend: str | None = get_field(ModelConfig, "attention_backend")
     disable_cascade_attn: bool = get_field(ModelConfig, "disable_cascade_attn")
+    logits_processors: list[str | type[LogitsProcessor]] | None = get_field(ModelConfig, "logits_processors")
     device: str = get_field(DeviceConfig, "device")
     tensor_parallel_size: int = get_field(ParallelConfig, "tensor_parallel_size")
     distributed_executor_backend: str | None = get_field(ParallelConfig, "distributed_executor_backend")
@@ -120,6 +122,8 @@ class EngineArgs:
             hint = hints[f.name]
             if hint is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            elif f.name == "logits_processors":  # names only: a class cannot come from the command line
+                group.add_argument(flag, nargs="+", type=str, default=None, help=help_text)
             else:
                 base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
                 kind = base if base in (int, float) else str

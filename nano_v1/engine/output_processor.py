@@ -106,7 +106,12 @@ class OutputProcessor:
                 request_id=request.request_id,
                 parent=parent,
                 index=index,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer if params.detokenize else None,
+                    request.prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                ),
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 stop_buffer_length=(

@@ -8,6 +8,12 @@ rejected with a `ValueError` that names the problem, and no other request is tou
 A multimodal model's prompt may carry images (`{"prompt": ..., "multi_modal_data":
 {"image": ...}}`); the model's processor checks them and expands their placeholders
 here too (chapter 11), so the engine core receives nothing it could fail on.
+
+What differs from v0.11.0: `truncate_prompt_tokens` is checked and applied here, in one
+place; v0.11.0 checks it in `LLM` and `AsyncLLM` (`_validate_truncation_size` in
+vllm/entrypoints/utils.py) and cuts the prompt in its input preprocessor
+(`InputPreprocessor._truncate_inputs` in vllm/inputs/preprocess.py, or the tokenizer's
+left truncation for a text).
 """
 
 from __future__ import annotations
@@ -90,8 +96,11 @@ class Processor:
         self.max_num_encoder_input_tokens = scheduler_config.max_num_encoder_input_tokens
         self.encoder_cache_size = scheduler_config.encoder_cache_size
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids), validating their form."""
+    def tokenize(self, prompt: PromptType, truncating: bool = False) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids), validating their form.
+
+        `truncating`: only the last tokens will be kept, so a text too long to fit is not refused.
+        """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
@@ -108,12 +117,12 @@ class Processor:
             raise ValueError(
                 f"model {self.model_config.model!r} has no tokenizer; pass {{'prompt_token_ids': [...]}} instead of text."
             )
-        self._validate_text(prompt)
+        self._validate_text(prompt, check_length=not truncating)
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
 
-    def _validate_text(self, text: str, what: str = "the prompt") -> None:
+    def _validate_text(self, text: str, what: str = "the prompt", check_length: bool = True) -> None:
         """Reject text that cannot be tokenized, or that is certain not to fit, before tokenizing it."""
-        if len(text) > self.max_prompt_chars:
+        if check_length and len(text) > self.max_prompt_chars:
             raise ValueError(
                 f"{what} has {len(text)} characters, more than can fit in max_model_len="
                 f"{self.model_config.max_model_len} tokens with this tokenizer "
@@ -142,7 +151,10 @@ class Processor:
                 f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: "
                 f"{MAX_LOGPROBS}."
             )
-        prompt_text, token_ids = self.tokenize(prompt)
+        truncate = self._truncation_size(params.truncate_prompt_tokens)
+        prompt_text, token_ids = self.tokenize(prompt, truncating=truncate is not None)
+        if truncate is not None:
+            token_ids = token_ids[-truncate:]  # left truncation: the prompt's end is what the model continues
         token_ids, mm_features = self._process_multimodal(prompt, token_ids)
         self._validate_prompt(token_ids)
         max_model_len = self.model_config.max_model_len
@@ -165,6 +177,24 @@ class Processor:
             priority=priority,
             mm_features=mm_features,
         )
+
+    def _truncation_size(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of the prompt's last tokens to keep (-1: `max_model_len`), or None for all of them.
+
+        As v0.11.0, before the prompt reaches the engine: on the token ids, before images expand
+        their placeholders, so what the scheduler and the prefix cache see is the kept part only.
+        """
+        if truncate_prompt_tokens is None:
+            return None
+        max_model_len = self.model_config.max_model_len
+        if truncate_prompt_tokens == -1:
+            return max_model_len
+        if truncate_prompt_tokens > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens value ({truncate_prompt_tokens}) is greater than max_model_len "
+                f"({max_model_len}). Please, select a smaller truncation size."
+            )
+        return truncate_prompt_tokens
 
     def _process_multimodal(
         self, prompt: PromptType, token_ids: list[int]

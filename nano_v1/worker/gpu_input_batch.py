@@ -22,11 +22,11 @@ from nano_v1.core.sched.output import NewRequestData
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sample.logits_processor import (
     BatchUpdate,
-    LogitBiasLogitsProcessor,
     LogitsProcessor,
-    MinPLogitsProcessor,
-    MinTokensLogitsProcessor,
+    MoveDirectionality,
+    build_logitsprocs,
 )
+from nano_v1.sample.logits_processor.interface import AddedRequest, MovedRequest
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.worker.block_table import CpuGpuBuffer, MultiGroupBlockTable
@@ -95,7 +95,9 @@ class InputBatch:
         pin_memory: bool,
         vocab_size: int,
         block_sizes: list[int],
+        logitsprocs: list[LogitsProcessor] | None = None,
     ) -> None:
+        """`logitsprocs`: the worker's (`build_logitsprocs`); None gives the builtin ones alone."""
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -167,14 +169,12 @@ class InputBatch:
         # (drafts would need them at every position) or min_tokens (the stop mask too).
         self.spec_decode_unsupported_reqs: set[str] = set()
         # Logits processors and the batch changes they have not seen yet (removed, added, moved).
-        self.logitsprocs: list[LogitsProcessor] = [
-            MinPLogitsProcessor(device),
-            LogitBiasLogitsProcessor(device),
-            MinTokensLogitsProcessor(device),
-        ]
+        self.logitsprocs: list[LogitsProcessor] = (
+            build_logitsprocs(None, device, pin_memory) if logitsprocs is None else logitsprocs
+        )
         self._removed: list[int] = []
-        self._added: list[tuple[int, SamplingParams, list[int]]] = []
-        self._moved: list[tuple[int, int]] = []
+        self._added: list[AddedRequest] = []
+        self._moved: list[MovedRequest] = []
 
         # The per-row numpy columns, moved together with the request.
         self._columns: list[np.ndarray] = [
@@ -263,7 +263,7 @@ class InputBatch:
             self.spec_decode_unsupported_reqs.add(req_id)
         if req_index in self._removed:
             self._removed.remove(req_index)  # the hole is filled: not a removal any more
-        self._added.append((req_index, params, request.output_token_ids))
+        self._added.append((req_index, params, request.prompt_token_ids, request.output_token_ids))
         return req_index
 
     def _add_penalties(self, req_index: int, request: CachedRequestState) -> None:
@@ -358,7 +358,7 @@ class InputBatch:
             self.output_bin_counts[tgt] = self.output_bin_counts[src]
         if self.allowed_token_ids_mask is not None:
             self.allowed_token_ids_mask[tgt] = self.allowed_token_ids_mask[src]
-        self._moved.append((src, tgt))
+        self._moved.append((src, tgt, MoveDirectionality.UNIDIRECTIONAL))
 
     # ------------------------------------------------------------------ sampling
     @property
@@ -470,9 +470,12 @@ class InputBatch:
 
 
 def _shapes_logits(params: SamplingParams) -> bool:
-    """True for the settings the rejection sampler does not apply to drafts (chapter 10)."""
+    """True for the settings the rejection sampler does not apply to drafts (chapter 10), custom
+    logits processors' `extra_args` included (v0.11.0 drafts for those, and its rejection sampler
+    never applies the processor to the drafted positions)."""
     return (
-        params.presence_penalty != 0.0
+        bool(params.extra_args)
+        or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
         or params.min_p > 0.0

@@ -58,6 +58,7 @@ from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from nano_v1.model_executor.model_loader import get_model
 from nano_v1.multimodal import MULTIMODAL_REGISTRY
 from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from nano_v1.sample.logits_processor import build_logitsprocs
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nano_v1.sample.sampler import Sampler, SamplerOutput
@@ -749,6 +750,9 @@ class GPUModelRunner:
             pin_memory=self.pin_memory,
             vocab_size=self.model_config.get_vocab_size(),
             block_sizes=block_sizes,
+            logitsprocs=build_logitsprocs(
+                self.vllm_config, self.device, self.pin_memory, self.model_config.logits_processors or ()
+            ),
         )
 
     def may_reinitialize_input_batch(self, kv_cache_config: KVCacheConfig) -> None:

@@ -58,6 +58,8 @@ MAX_CHAT_ITEMS = 10_000
 # logit_bias entries (each checked in Python); a wider restriction is `allowed_token_ids`.
 MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024
+# The most `vllm_xargs` entries: they travel to the engine core with every request.
+MAX_VLLM_XARGS = 64
 # How many unknown fields an error names; it counts the rest.
 MAX_NAMED_FIELDS = 3
 
@@ -138,7 +140,9 @@ def _reject_unless(no_op_values: tuple[Any, ...]):
 
 class SamplingRequest(OpenAIRequestModel):
     """The fields completions and chat share: OpenAI's, plus vLLM's extras (top_k, min_p,
-    repetition_penalty, bad_words, allowed_token_ids, min_tokens, ignore_eos)."""
+    repetition_penalty, bad_words, allowed_token_ids, min_tokens, ignore_eos,
+    spaces_between_special_tokens, truncate_prompt_tokens, and vllm_xargs: a custom logits
+    processor's per-request arguments, which become `SamplingParams.extra_args`)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -162,6 +166,9 @@ class SamplingRequest(OpenAIRequestModel):
     min_p: float = 0.0
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS, fail_fast=True)] | None = None
     allowed_token_ids: TokenIds | None = None
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    vllm_xargs: Annotated[dict[str, str | int | float], Field(max_length=MAX_VLLM_XARGS)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -198,6 +205,9 @@ class SamplingRequest(OpenAIRequestModel):
             min_tokens=self.min_tokens,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            extra_args=self.vllm_xargs or None,
             logprobs=self.num_logprobs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )

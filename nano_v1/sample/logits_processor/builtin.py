@@ -6,17 +6,21 @@ Mirrors vllm/v1/sample/logits_processor/builtin.py (`MinPLogitsProcessor`,
 What differs from v0.11.0: the batch's moves are one-way (`condense` fills holes), never
 swaps, so `process_dict_updates` has no swap case; and it applies removals before additions,
 as nano_v1's `BatchUpdate` asks, since a row removed and refilled in one update appears in both.
+The processors keep no vLLM config: their state is sized by the batch, not by `max_num_seqs`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from nano_v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 from nano_v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nano_v1.config import VllmConfig
 
 T = TypeVar("T")
 
@@ -24,25 +28,25 @@ T = TypeVar("T")
 def process_dict_updates(
     req_entries: dict[int, T],
     batch_update: BatchUpdate | None,
-    new_state: Callable[[SamplingParams, list[int]], T | None],
+    new_state: Callable[[SamplingParams, list[int] | None, list[int]], T | None],
 ) -> bool:
     """Apply a batch update to a sparse row -> state dict; True if the dict changed.
 
-    `new_state(params, output_token_ids)` is an added request's state, or None when the
-    processor has nothing to do for it (its row then holds no entry).
+    `new_state(params, prompt_token_ids, output_token_ids)` is an added request's state, or
+    None when the processor has nothing to do for it (its row then holds no entry).
     """
     if batch_update is None:
         return False
     changed = False
     for row in batch_update.removed:
         changed |= req_entries.pop(row, None) is not None
-    for row, params, output_token_ids in batch_update.added:
+    for row, params, prompt_token_ids, output_token_ids in batch_update.added:
         changed |= req_entries.pop(row, None) is not None
-        state = new_state(params, output_token_ids)
+        state = new_state(params, prompt_token_ids, output_token_ids)
         if state is not None:
             req_entries[row] = state
             changed = True
-    for src, tgt in batch_update.moved:
+    for src, tgt, _ in batch_update.moved:  # always UNIDIRECTIONAL here
         if src in req_entries:
             req_entries[tgt] = req_entries.pop(src)
             changed = True
@@ -57,7 +61,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
     their minimum, so keeping it sparse costs nothing in the common case.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig | None, device: torch.device, is_pin_memory: bool) -> None:
         self.device = device
         self.min_toks: dict[int, tuple[int, list[int], frozenset[int]]] = {}
         # (rows, token ids) to set to -inf: one indexed write per step.
@@ -67,7 +71,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         return False  # a forbidden EOS can be the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        def new_state(params: SamplingParams, output_token_ids: list[int]) -> tuple | None:
+        def new_state(params: SamplingParams, _: list[int] | None, output_token_ids: list[int]) -> tuple | None:
             if len(output_token_ids) < params.min_tokens and params.all_stop_token_ids:
                 return params.min_tokens, output_token_ids, frozenset(params.all_stop_token_ids)
             return None
@@ -98,7 +102,7 @@ class MinPLogitsProcessor(LogitsProcessor):
     sampler uses, rebuilt when the batch changes (rows without min-p get 0: nothing is below 0).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig | None, device: torch.device, is_pin_memory: bool) -> None:
         self.device = device
         self.min_p: dict[int, float] = {}
         self.min_p_column: torch.Tensor | None = None
@@ -109,7 +113,7 @@ class MinPLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        process_dict_updates(self.min_p, batch_update, lambda params, _: params.min_p or None)
+        process_dict_updates(self.min_p, batch_update, lambda params, _, __: params.min_p or None)
         self.min_p_column = None
         if self.min_p:
             column = [0.0] * batch_update.batch_size
@@ -132,7 +136,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     rebuilt when a row with a bias joins, leaves or moves.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig | None, device: torch.device, is_pin_memory: bool) -> None:
         self.device = device
         self.biases: dict[int, dict[int, float]] = {}
         self.logits_slice: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -142,7 +146,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         return False  # a bias can lift any token above the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if not process_dict_updates(self.biases, batch_update, lambda params, _: params.logit_bias or None):
+        if not process_dict_updates(self.biases, batch_update, lambda params, _, __: params.logit_bias or None):
             return
         rows = [row for row, biases in self.biases.items() for _ in biases]
         token_ids = [token_id for biases in self.biases.values() for token_id in biases]
