@@ -20,18 +20,23 @@ import threading
 from collections import deque
 
 import pytest
-from helpers.checkpoints import make_tiny_checkpoint
+import torch
+import transformers
+from helpers.checkpoints import TINY_SHAPES, make_tiny_checkpoint, make_vllm_config
 from helpers.cli import run_cli
 from helpers.engine_core import LoopOnlyCore, start_input_loop, wait
+from helpers.kv_cache import full_attention_kv_cache_config
 from helpers.scheduler import (
     FakeModelRunner,
     arrive_and_abort,
     make_requests,
     make_scheduler,
     reference_output,
+    run_workload,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
@@ -42,8 +47,9 @@ from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import UniProcExecutor
 from nano_v1.executor.multiproc_executor import MultiprocExecutor
-from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
+from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
 pytestmark = pytest.mark.ch14
 
@@ -103,13 +109,15 @@ def run_async_workload(
     abort_prob: float,
     rng: random.Random,
     max_steps: int = 5000,
+    runner=None,
 ) -> tuple[dict[str, list[int]], set[str]]:
-    """Run as step_with_batch_queue does, with a batch queue of 2. The fake runner runs each
-    step when it is scheduled (a worker runs the steps in the order they are sent); the
-    scheduler sees a step's output only when it is popped, after the next step is
-    scheduled, unless the draw says the step was done before the next one could start."""
-    runner = AsyncFakeModelRunner(sched.block_size)
-    batch_queue: deque[tuple[ModelRunnerOutput, SchedulerOutput]] = deque()
+    """Run as step_with_batch_queue does, with a batch queue of 2. The runner (the fake one
+    unless given) runs each step when it is scheduled (a worker runs the steps in the order
+    they are sent); the scheduler sees a step's output only when it is popped, after the
+    next step is scheduled, unless the draw says the step was done before the next one could
+    start. An `AsyncModelRunnerOutput` is waited for when it is popped, as the executor does."""
+    runner = runner or AsyncFakeModelRunner(sched.block_size)
+    batch_queue: deque[tuple[ModelRunnerOutput | AsyncModelRunnerOutput, SchedulerOutput]] = deque()
     pending = list(requests)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     finished: set[str] = set()
@@ -135,6 +143,8 @@ def run_async_workload(
         elif not batch_queue:
             continue
         model_runner_output, scheduler_output = batch_queue.pop()
+        if isinstance(model_runner_output, AsyncModelRunnerOutput):
+            model_runner_output = model_runner_output.get_output()
         for out in sched.update_from_output(scheduler_output, model_runner_output).outputs:
             assert out.request_id not in finished, f"{out.request_id} got a token after it finished"
             outputs[out.request_id].extend(out.new_token_ids)
@@ -585,3 +595,117 @@ def test_async_scheduling_with_tensor_parallelism(tmp_path):
         assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(expected)
     finally:
         llm.llm_engine.shutdown()
+
+
+# ---------------------------------------------------------------------- the model runner
+RUNNER_VOCAB = 512  # TINY_SHAPES' vocabulary
+
+
+class TokenAndPositionModel(nn.Module):
+    """A model without weights whose greedy next token is (7 * token + 3 * position) mod the
+    vocabulary, a function of the last input token and its position only; it records what
+    every step fed it, per request, from the runner's batch at the time."""
+
+    def __init__(self, runner: GPUModelRunner) -> None:
+        super().__init__()
+        self.runner = runner
+        self.fed: list[dict[str, list[tuple[int, int]]]] = []  # per step: request -> (position, token)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        input_batch = self.runner.input_batch
+        query_start_loc = self.runner.query_start_loc.np
+        tokens, where = input_ids.tolist(), positions.tolist()
+        self.fed.append({
+            req_id: list(zip(where[query_start_loc[i] : query_start_loc[i + 1]],
+                             tokens[query_start_loc[i] : query_start_loc[i + 1]]))
+            for i, req_id in enumerate(input_batch.req_ids)
+        })  # fmt: skip
+        return (7 * input_ids + 3 * positions).unsqueeze(-1).float()  # [num_tokens, 1]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return nn.functional.one_hot(hidden_states[:, 0].long() % RUNNER_VOCAB, RUNNER_VOCAB).float()
+
+
+@pytest.fixture(scope="module")
+def config_only_checkpoint(tmp_path_factory) -> str:
+    """A tiny Qwen3's config.json: the runner tests load no weights."""
+    path = tmp_path_factory.mktemp("config_only")
+    transformers.Qwen3Config(**TINY_SHAPES, head_dim=32, architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+def runner_on_cpu(checkpoint: str, num_blocks: int, async_scheduling: bool) -> GPUModelRunner:
+    vllm_config = make_vllm_config(
+        checkpoint, dtype="float32", block_size=BLOCK_SIZE, max_model_len=RUNNER_MAX_MODEL_LEN,
+        max_num_seqs=RUNNER_MAX_SEQS, max_num_batched_tokens=RUNNER_BUDGET, async_scheduling=async_scheduling,
+    )  # fmt: skip
+    runner = GPUModelRunner(vllm_config, torch.device("cpu"))
+    runner.model = TokenAndPositionModel(runner)
+    runner.kv_cache_config = full_attention_kv_cache_config(num_blocks, BLOCK_SIZE)
+    return runner
+
+
+RUNNER_MAX_MODEL_LEN, RUNNER_MAX_SEQS, RUNNER_BUDGET = 128, 6, 32
+
+
+def greedy_requests(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    hasher = get_request_block_hasher(BLOCK_SIZE)
+    prefix = [rng.randrange(RUNNER_VOCAB) for _ in range(2 * BLOCK_SIZE)]
+    return [
+        Request(
+            f"r{i}",
+            prefix[: rng.choice([0, BLOCK_SIZE])] + [rng.randrange(RUNNER_VOCAB) for _ in range(rng.randint(1, 30))],
+            SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True),
+            eos_token_id=None,
+            block_hasher=hasher,
+        )
+        for i in range(10)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_runner_feeds_each_request_its_last_token_from_the_device(config_only_checkpoint, seed):
+    """With async scheduling the runner feeds the token each request sampled last step from
+    the device (`prev_sampled_token_ids`, gathered by last step's row), where the host holds a
+    placeholder. Requests finish, arrive, are preempted and resumed, so rows move between
+    steps. Every token the model is fed is the request's real token at that position (never
+    a placeholder, never another row's), and every request generates what the synchronous
+    runner generates."""
+    num_blocks = 10  # 9 usable, for up to 6 requests of up to 5 blocks: the batch preempts
+    sync_runner = runner_on_cpu(config_only_checkpoint, num_blocks, async_scheduling=False)
+    sched = make_scheduler(num_blocks, BLOCK_SIZE, RUNNER_BUDGET, RUNNER_MAX_SEQS, RUNNER_MAX_MODEL_LEN, True)
+    expected, _ = run_workload(sched, greedy_requests(seed), 0.0, random.Random(seed), runner=sync_runner)
+
+    runner = runner_on_cpu(config_only_checkpoint, num_blocks, async_scheduling=True)
+    from_device, moved = [], []
+    prepare_input_ids = runner._prepare_input_ids
+
+    def spy(total_num_scheduled_tokens, cu_num_tokens):
+        input_batch = runner.input_batch
+        common = [r for r in input_batch.prev_req_id_to_index or {} if r in input_batch.req_id_to_index]
+        from_device.append(len(common))
+        moved.append(any(input_batch.prev_req_id_to_index[r] != input_batch.req_id_to_index[r] for r in common))
+        return prepare_input_ids(total_num_scheduled_tokens, cu_num_tokens)
+
+    runner._prepare_input_ids = spy
+    sched = make_scheduler(
+        num_blocks, BLOCK_SIZE, RUNNER_BUDGET, RUNNER_MAX_SEQS, RUNNER_MAX_MODEL_LEN, True, async_scheduling=True
+    )
+    preempted = []
+    preempt = sched._preempt
+    sched._preempt = lambda request: (preempted.append(request.request_id), preempt(request))
+    requests = greedy_requests(seed)
+    got, _ = run_async_workload(sched, requests, 0.0, random.Random(seed), runner=runner)
+    assert got == expected
+    assert preempted, "the cache was meant to be too small for the batch"
+    full = {r.request_id: r.prompt_token_ids + got[r.request_id] for r in requests}
+    for step, fed in enumerate(runner.model.fed):
+        for req_id, tokens in fed.items():
+            for position, token in tokens:
+                assert token == full[req_id][position], (
+                    f"step {step} fed {req_id} token {token} at position {position}, not its "
+                    f"token {full[req_id][position]}"
+                )
+    assert sum(from_device) > 0, "no step took its input from the device"
+    assert any(moved), "no request changed rows between the step that sampled it and the next"
