@@ -709,3 +709,62 @@ def test_the_runner_feeds_each_request_its_last_token_from_the_device(config_onl
                 )
     assert sum(from_device) > 0, "no step took its input from the device"
     assert any(moved), "no request changed rows between the step that sampled it and the next"
+
+
+@pytest.mark.demo_model
+def test_the_demo_model_generates_the_same_with_its_tokens_fed_from_the_device(sync_and_async_llms):
+    """Text prompts of different lengths and budgets (requests finish at different steps, so
+    rows move), some with penalties, whose token counts must see each step's real token
+    (the runner waits for it before counting), one with bad words (the sampler reads the
+    output tokens), and seeded sampling beside greedy: the async engine, its tokens fed from
+    the device, generates exactly what the synchronous one does."""
+    sync, asynchronous = sync_and_async_llms
+    prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def ", "# A", "x = "]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, bad_words=[" the", "e"]),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, presence_penalty=1.0),
+    ]
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    assert completions(asynchronous.generate(prompts, params, use_tqdm=False)) == completions(expected)
+    unpenalized = sync.generate(prompts[2], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert completions(unpenalized) != completions(expected[2:3]), "the penalty must change the output"
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory) -> str:
+    from benchmarks.multimodal import write_tiny_llava
+
+    vision_shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        image_size=28, patch_size=7)  # fmt: skip  (16 image positions)
+    return write_tiny_llava(
+        tmp_path_factory.mktemp("llava"), text_arch="llama", text_shape=TINY_SHAPES, vision_shape=vision_shape
+    )
+
+
+def test_async_scheduling_changes_no_output_with_images(tiny_llava):
+    """A multimodal model takes embeddings, merged from the step's input ids on the device
+    after those ids were fed from the last step's tokens: images first, in the middle, last,
+    two in one prompt, one prompt without; prompts chunked through their images. The worker
+    stays in this process (async scheduling's runner path, without the overlap)."""
+    from transformers import AutoConfig
+
+    from benchmarks.multimodal import random_image
+
+    image = AutoConfig.from_pretrained(tiny_llava).image_token_index
+    a, b = random_image(1), random_image(2, 30, 30)
+    prompts = [
+        {"prompt_token_ids": [image, 11, 12, 13], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [5, 6, 7, image, 8, 9], "multi_modal_data": {"image": [b]}},
+        {"prompt_token_ids": [20, 21, image], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [30, image, 31, image, 33], "multi_modal_data": {"image": [a, b]}},
+        {"prompt_token_ids": [50, 51, 52, 53]},
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 7, 10)]
+    kwargs = dict(model=tiny_llava, dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=True)
+    expected = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**kwargs, async_scheduling=True, distributed_executor_backend="uni")
+    assert isinstance(llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler)
+    assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(expected)
