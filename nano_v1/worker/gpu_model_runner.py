@@ -1,6 +1,6 @@
 """The model runner: scheduler output in, one forward pass and one sample per request out.
 
-Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11 and 12).
+Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11, 12 and 14).
 
 Why it is shaped this way: a step's inputs are a flat, ragged batch (every scheduled
 token of every request, back to back), and nearly all of it is already known from the
@@ -24,6 +24,16 @@ the dispatcher which graph to replay and how far to pad, and tells the graph wra
 through the forward context. The padding rows compute garbage that nothing reads:
 attention caches and attends only the real tokens, and logits take real rows only.
 
+With async scheduling (chapter 14) a step never waits for its sampled tokens: the
+persistent batch and each request's state get a placeholder (-1) per token, the tokens
+stay on the device as `input_batch.prev_sampled_token_ids`, and `execute_model` returns an
+`AsyncGPUModelRunnerOutput` that copies them to the host behind the step (a side stream
+on CUDA; on the CPU the tokens are the host's already and nothing waits). The next step
+gathers them on the device into its input ids (`_prepare_input_ids`), and writes them over
+the host's placeholders once its own forward is queued, or earlier when the host needs
+them (`_fill_sampled_token_placeholders`). `synchronize_input_prep` keeps a step from
+overwriting pinned buffers that the step before is still copying from.
+
 The methods follow v0.11.0's order. What differs from v0.11.0: one attention metadata
 builder for every KV cache group; `initialize_cudagraph_capture` runs at construction,
 not in `capture_model`, as `load_model` already wraps the model for the resolved mode;
@@ -31,7 +41,12 @@ one capture loop over the dispatcher's keys instead of a `_capture_cudagraphs` c
 mode, and no garbage-collector freeze, data-parallel padding or micro-batches;
 `_pad_for_full_graph` is nano_v1's own (vLLM pads the same buffers in `_prepare_inputs`
 on every step); `_bookkeeping_sync` returns the `ModelRunnerOutput` rather than its
-parts, as nano_v1 has no NaN counts, prompt logprobs or pooling to add to it.
+parts, as nano_v1 has no NaN counts, prompt logprobs or pooling to add to it. With async
+scheduling, v0.11.0 leaves the placeholders in the host's token table and request states
+for good (with pipeline parallelism the scheduler sends the tokens back); nano_v1 writes
+the real tokens over them during the next step (`_fill_sampled_token_placeholders`), as
+a request resumed after preemption is rewritten from its state, and penalties and bad
+words read the output tokens.
 """
 
 from __future__ import annotations
@@ -274,10 +289,12 @@ class GPUModelRunner:
             elif new_block_ids is not None:
                 input_batch.block_table.append_row(new_block_ids, req_index)
 
-        # Async scheduling: a request (re-)entering the batch is written from its state, and the
-        # penalties' bins count output tokens (refresh_metadata): both need the last step's real
-        # tokens on the host, so they wait for them here. Otherwise the wait comes after the
-        # forward is queued (execute_model), behind the last step on the device anyway.
+        # Async scheduling: the penalties' bins count output tokens (refresh_metadata), and a
+        # request re-entering the batch is written from its state, so both need the last
+        # step's real tokens on the host: wait for them here. (A request the last step sampled
+        # for re-enters only after an empty step, which fills nothing; or a new request takes
+        # a finished one's id, and must not be fed its token.) Otherwise the wait comes after
+        # the forward is queued (execute_model), behind the last step on the device anyway.
         prev_req_id_to_index = input_batch.prev_req_id_to_index
         if prev_req_id_to_index and (
             not input_batch.no_penalties or any(r.req_id in prev_req_id_to_index for r in reqs_to_add)
