@@ -768,3 +768,29 @@ def test_async_scheduling_changes_no_output_with_images(tiny_llava):
     llm = LLM(**kwargs, async_scheduling=True, distributed_executor_backend="uni")
     assert isinstance(llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler)
     assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_scheduling_on_cuda_changes_no_output():
+    """On CUDA the step's tokens go to the host on a side stream and the next step's input is
+    gathered on the device while the host still holds placeholders, with the pinned step
+    buffers reused only once the previous step's copies are done: greedy tokens (preemption,
+    chunked prefill, penalties, CUDA graphs) are the synchronous engine's, with the worker in
+    this process (whose runner we can see) and in its own."""
+    kwargs = {**ENGINE_KWARGS, "device": "cuda", "gpu_memory_utilization": 0.2}
+    prompts = prompts_with_a_shared_prefix()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40 - 3 * i, ignore_eos=True, repetition_penalty=1.0 + 0.1 * (i % 2))
+        for i in range(len(prompts))
+    ]
+    expected = completions(LLM(**kwargs).generate(prompts, params, use_tqdm=False))
+    in_process = LLM(**kwargs, async_scheduling=True, distributed_executor_backend="uni")
+    runner = in_process.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    assert runner.async_output_copy_stream is not None and runner.prepare_inputs_event is not None
+    assert completions(in_process.generate(prompts, params, use_tqdm=False)) == expected
+    own_process = LLM(**kwargs, async_scheduling=True)
+    try:
+        assert completions(own_process.generate(prompts, params, use_tqdm=False)) == expected
+    finally:
+        own_process.llm_engine.shutdown()

@@ -314,7 +314,7 @@ class WorkerProc:
         self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, reader_rank=rank)
         self.worker_response_mq = MessageQueue.create_from_handle(output_shm_handle, reader_rank=None)
         # Async scheduling (chapter 14): answers leave from a thread of their own, so that
-        # serializing and sending step N's output overlaps step N + 1.
+        # waiting for step N's tokens, serializing and sending its output overlap step N + 1.
         self.use_async_scheduling = vllm_config.scheduler_config.async_scheduling
         if self.use_async_scheduling:
             self.async_output_queue: queue.Queue[tuple[WorkerProc.ResponseStatus, Any]] = queue.Queue()
