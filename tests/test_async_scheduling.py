@@ -41,13 +41,13 @@ from torch import nn
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
 from nano_v1.core.sched.async_scheduler import AsyncScheduler
-from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import UniProcExecutor
 from nano_v1.executor.multiproc_executor import MultiprocExecutor
-from nano_v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -794,3 +794,41 @@ def test_async_scheduling_on_cuda_changes_no_output():
         assert completions(own_process.generate(prompts, params, use_tqdm=False)) == expected
     finally:
         own_process.llm_engine.shutdown()
+
+
+def handmade_step(new=(), cached=(), finished=()) -> SchedulerOutput:
+    """A step of new requests `(req_id, prompt)`, scheduled whole in block 1 + their index, and of
+    requests the runner holds `(req_id, num_computed_tokens)`, scheduled for one token each."""
+    new_reqs = [
+        NewRequestData(req_id, prompt, SamplingParams(temperature=0.0), ([1 + i],), 0)
+        for i, (req_id, prompt) in enumerate(new)
+    ]
+    num_scheduled_tokens = {req_id: len(prompt) for req_id, prompt in new} | {req_id: 1 for req_id, _ in cached}
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=[req_id for req_id, _ in cached], resumed_from_preemption=[False] * len(cached),
+            new_block_ids=[None] * len(cached), num_computed_tokens=[n for _, n in cached],
+        ),
+        num_scheduled_tokens=num_scheduled_tokens,
+        total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+        scheduled_spec_decode_tokens={},
+        num_common_prefix_blocks=[0],
+        finished_req_ids=set(finished),
+    )  # fmt: skip
+
+
+def test_a_request_back_after_an_empty_step_or_a_reused_id_is_fed_the_hosts_tokens(config_only_checkpoint):
+    """The last step's tokens come from the device only for the requests they were sampled for.
+    A request that left the batch in an empty step (which samples nothing, so fills nothing)
+    and comes back is fed its own token; a new request that takes a finished request's id,
+    with a step of the finished one's just done, must not be fed that request's token."""
+    runner = runner_on_cpu(config_only_checkpoint, num_blocks=8, async_scheduling=True)
+    a, b = [5, 6, 7], [9, 10]
+    (a_token,) = runner.execute_model(handmade_step(new=[("a", a), ("b", b)])).get_output().sampled_token_ids[0]
+    assert runner.execute_model(handmade_step()) is EMPTY_MODEL_RUNNER_OUTPUT  # a and b leave the batch
+    runner.execute_model(handmade_step(cached=[("a", len(a))], finished=["b"])).get_output()
+    assert runner.model.fed[-1] == {"a": [(len(a), a_token)]}
+    # a finishes, and a new request takes its id, with a step of a's in flight.
+    runner.execute_model(handmade_step(new=[("a", b)], finished=["a"])).get_output()
+    assert runner.model.fed[-1] == {"a": [(0, 9), (1, 10)]}
