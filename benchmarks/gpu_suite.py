@@ -27,7 +27,8 @@ repeats (`stubbed_on_cpu`).
 Models are built from the configs in `benchmarks/configs/` with dummy weights
 (`load_format="dummy"`): real shapes, random values, no checkpoint to download. Every
 engine keeps its core in this process (`SuiteContext.llm`): the measurements time its
-worker, and the GPU image has no pyzmq or msgspec for an engine-core process.
+worker, and the GPU image has no pyzmq or msgspec for an engine-core process. (With async
+scheduling the worker has a process of its own, reached through shared memory.)
 """
 
 from __future__ import annotations
@@ -373,15 +374,16 @@ def async_scheduling(ctx: SuiteContext) -> dict[str, Any]:
     from nano_v1 import SamplingParams
     from nano_v1.demo_model import DEMO_MODEL_PATH
 
-    batch_sizes = [1, 4] if ctx.smoke else [1, 16, 64, 256]
-    prompt_len, output_len = (8, 8) if ctx.smoke else (64, 96)
+    batch_sizes = [1, 4] if ctx.smoke else [1, 32, 256]
+    prompt_len, output_len = (8, 8) if ctx.smoke else (64, 64)
     max_model_len = prompt_len + output_len + 2
     block_size = 16
-    # Both engines at once, each with the cache the largest batch needs (so that neither takes
-    # the GPU's memory from the other): the sync one with its worker in this process, the
-    # async one with its worker in a process of its own (the default with async scheduling).
+    # Both engines at once, each with the cache the largest batch needs and at most 40% of the
+    # GPU: the sync one with its worker in this process, the async one with its worker in a
+    # process of its own (the default with async scheduling).
     engine_kwargs = dict(
         load_format="auto", max_num_seqs=max(batch_sizes), max_model_len=max_model_len, enable_prefix_caching=False,
+        gpu_memory_utilization=0.4,
         num_gpu_blocks_override=max(batch_sizes) * -(-max_model_len // block_size) + 1, block_size=block_size,
         compilation_config={"cudagraph_capture_sizes": batch_sizes},
     )  # fmt: skip
