@@ -381,12 +381,12 @@ def async_scheduling(ctx: SuiteContext) -> dict[str, Any]:
     # Both engines at once, each with the cache the largest batch needs and at most 40% of the
     # GPU: the sync one with its worker in this process, the async one with its worker in a
     # process of its own (the default with async scheduling).
-    engine_kwargs = dict(
-        load_format="auto", max_num_seqs=max(batch_sizes), max_model_len=max_model_len, enable_prefix_caching=False,
-        gpu_memory_utilization=0.4,
-        num_gpu_blocks_override=max(batch_sizes) * -(-max_model_len // block_size) + 1, block_size=block_size,
-        compilation_config={"cudagraph_capture_sizes": batch_sizes},
-    )  # fmt: skip
+    engine_kwargs = {
+        "load_format": "auto", "max_num_seqs": max(batch_sizes), "max_model_len": max_model_len,
+        "enable_prefix_caching": False, "gpu_memory_utilization": 0.4, "block_size": block_size,
+        "num_gpu_blocks_override": max(batch_sizes) * -(-max_model_len // block_size) + 1,
+        "compilation_config": {"cudagraph_capture_sizes": batch_sizes},
+    }  # fmt: skip
     llms = {
         "sync": ctx.llm(str(DEMO_MODEL_PATH), **engine_kwargs),
         "async": ctx.llm(str(DEMO_MODEL_PATH), **engine_kwargs, async_scheduling=True),

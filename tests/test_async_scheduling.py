@@ -737,8 +737,9 @@ def test_the_demo_model_generates_the_same_with_its_tokens_fed_from_the_device(s
 def tiny_llava(tmp_path_factory) -> str:
     from benchmarks.multimodal import write_tiny_llava
 
-    vision_shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        image_size=28, patch_size=7)  # fmt: skip  (16 image positions)
+    # CLIP at 28 pixels in 7-pixel patches: 16 positions per image.
+    vision_shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "image_size": 28, "patch_size": 7}  # fmt: skip
     return write_tiny_llava(
         tmp_path_factory.mktemp("llava"), text_arch="llama", text_shape=TINY_SHAPES, vision_shape=vision_shape
     )
@@ -763,7 +764,7 @@ def test_async_scheduling_changes_no_output_with_images(tiny_llava):
         {"prompt_token_ids": [50, 51, 52, 53]},
     ]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 7, 10)]
-    kwargs = dict(model=tiny_llava, dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=True)
+    kwargs = {"model": tiny_llava, "dtype": "float32", "max_num_batched_tokens": 24, "enable_prefix_caching": True}
     expected = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
     llm = LLM(**kwargs, async_scheduling=True, distributed_executor_backend="uni")
     assert isinstance(llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler)

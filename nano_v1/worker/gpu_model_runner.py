@@ -74,7 +74,12 @@ from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from nano_v1.model_executor.model_loader import get_model
 from nano_v1.multimodal import MULTIMODAL_REGISTRY
-from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    DraftTokenIds,
+    ModelRunnerOutput,
+)
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nano_v1.sample.sampler import Sampler, SamplerOutput
@@ -432,7 +437,9 @@ class GPUModelRunner:
         # n distinct flat indices whose largest is n - 1 are 0 .. n - 1: each row's token goes
         # to the flat index equal to its old row.
         if flat_indices.max() == num_common_tokens - 1 and np.array_equal(flat_indices, prev_req_indices):
-            input_ids[:num_common_tokens].copy_(prev_sampled_token_ids[:num_common_tokens, 0], non_blocking=True)
+            input_ids[:num_common_tokens].copy_(
+                prev_sampled_token_ids[:num_common_tokens, 0], non_blocking=True
+            )
             return
         flat_index = torch.tensor(flat_indices, dtype=torch.int64, pin_memory=self.pin_memory)
         prev_index = torch.tensor(prev_req_indices, dtype=torch.int64, pin_memory=self.pin_memory)
@@ -723,7 +730,9 @@ class GPUModelRunner:
             self.prepare_inputs_event.record()
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
         """One step: update the persistent batch, prepare inputs, run the model, sample, keep the tokens.
 
         With async scheduling it returns before the sampled tokens reach the host: an
@@ -773,7 +782,10 @@ class GPUModelRunner:
         if not self.use_async_scheduling:
             return output
         self._prev_async_output = AsyncGPUModelRunnerOutput(
-            output, sampler_output.sampled_token_ids, discard_req_indices.tolist(), self.async_output_copy_stream
+            output,
+            sampler_output.sampled_token_ids,
+            discard_req_indices.tolist(),
+            self.async_output_copy_stream,
         )
         return self._prev_async_output
 
