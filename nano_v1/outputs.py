@@ -2,12 +2,14 @@
 
 Mirrors two vLLM files (chapters 01 and 04):
 - vllm/v1/outputs.py: `ModelRunnerOutput`, what the model runner hands back to the
-  scheduler after one step;
+  scheduler after one step, and `AsyncModelRunnerOutput`, the same output still on its
+  way from the device (async scheduling, chapter 14);
 - vllm/outputs.py: `RequestOutput` / `CompletionOutput`, what `LLM.generate` returns.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
@@ -30,6 +32,19 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]]] | None = None
 
 
+class AsyncModelRunnerOutput(ABC):
+    """A step's output whose sampled tokens may still be on their way to the host (chapter 14).
+
+    With async scheduling the model runner returns this instead of waiting for the step's
+    tokens; whoever sends the output (the worker's output thread, or the in-process
+    executor) calls `get_output` once.
+    """
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the step's tokens to reach the host; return the output. Call once."""
+
+
 @dataclass(slots=True)
 class DraftTokenIds:
     """Draft tokens the proposer made after a step, for the scheduler to schedule next (chapter 10)."""
@@ -48,7 +63,9 @@ class StepTiming:
 
     num_scheduled_tokens: int
     num_sampled_reqs: int  # requests that gained at least one token this step
-    execute_model_s: float  # the whole call; it ends with the step's device -> host sync
+    # The whole call; it ends with the step's device -> host sync, except with async scheduling
+    # on CUDA, where it returns with the step's tokens still being copied (chapter 14).
+    execute_model_s: float
     forward_s: float  # the model's forward call as seen by the host: launches, or graph replays
     encoder_s: float = 0.0  # the vision encoder on this step's images, as seen by the host (chapter 11)
     num_encoder_tokens: int = 0  # image tokens the encoder computed this step

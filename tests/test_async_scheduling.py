@@ -20,30 +20,36 @@ import threading
 from collections import deque
 
 import pytest
-from helpers.checkpoints import make_tiny_checkpoint
+import torch
+import transformers
+from helpers.checkpoints import TINY_SHAPES, make_tiny_checkpoint, make_vllm_config
 from helpers.cli import run_cli
 from helpers.engine_core import LoopOnlyCore, start_input_loop, wait
+from helpers.kv_cache import full_attention_kv_cache_config
 from helpers.scheduler import (
     FakeModelRunner,
     arrive_and_abort,
     make_requests,
     make_scheduler,
     reference_output,
+    run_workload,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from nano_v1 import LLM, SamplingParams
 from nano_v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
 from nano_v1.core.sched.async_scheduler import AsyncScheduler
-from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import UniProcExecutor
 from nano_v1.executor.multiproc_executor import MultiprocExecutor
-from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
+from nano_v1.worker.gpu_model_runner import GPUModelRunner
 
 pytestmark = pytest.mark.ch14
 
@@ -103,13 +109,15 @@ def run_async_workload(
     abort_prob: float,
     rng: random.Random,
     max_steps: int = 5000,
+    runner=None,
 ) -> tuple[dict[str, list[int]], set[str]]:
-    """Run as step_with_batch_queue does, with a batch queue of 2. The fake runner runs each
-    step when it is scheduled (a worker runs the steps in the order they are sent); the
-    scheduler sees a step's output only when it is popped, after the next step is
-    scheduled, unless the draw says the step was done before the next one could start."""
-    runner = AsyncFakeModelRunner(sched.block_size)
-    batch_queue: deque[tuple[ModelRunnerOutput, SchedulerOutput]] = deque()
+    """Run as step_with_batch_queue does, with a batch queue of 2. The runner (the fake one
+    unless given) runs each step when it is scheduled (a worker runs the steps in the order
+    they are sent); the scheduler sees a step's output only when it is popped, after the
+    next step is scheduled, unless the draw says the step was done before the next one could
+    start. An `AsyncModelRunnerOutput` is waited for when it is popped, as the executor does."""
+    runner = runner or AsyncFakeModelRunner(sched.block_size)
+    batch_queue: deque[tuple[ModelRunnerOutput | AsyncModelRunnerOutput, SchedulerOutput]] = deque()
     pending = list(requests)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     finished: set[str] = set()
@@ -135,6 +143,8 @@ def run_async_workload(
         elif not batch_queue:
             continue
         model_runner_output, scheduler_output = batch_queue.pop()
+        if isinstance(model_runner_output, AsyncModelRunnerOutput):
+            model_runner_output = model_runner_output.get_output()
         for out in sched.update_from_output(scheduler_output, model_runner_output).outputs:
             assert out.request_id not in finished, f"{out.request_id} got a token after it finished"
             outputs[out.request_id].extend(out.new_token_ids)
@@ -585,3 +595,241 @@ def test_async_scheduling_with_tensor_parallelism(tmp_path):
         assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(expected)
     finally:
         llm.llm_engine.shutdown()
+
+
+# ---------------------------------------------------------------------- the model runner
+RUNNER_VOCAB = 512  # TINY_SHAPES' vocabulary
+
+
+class TokenAndPositionModel(nn.Module):
+    """A model without weights whose greedy next token is (7 * token + 3 * position) mod the
+    vocabulary, a function of the last input token and its position only; it records what
+    every step fed it, per request, from the runner's batch at the time."""
+
+    def __init__(self, runner: GPUModelRunner) -> None:
+        super().__init__()
+        self.runner = runner
+        self.fed: list[dict[str, list[tuple[int, int]]]] = []  # per step: request -> (position, token)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        input_batch = self.runner.input_batch
+        query_start_loc = self.runner.query_start_loc.np
+        tokens, where = input_ids.tolist(), positions.tolist()
+        self.fed.append({
+            req_id: list(zip(where[query_start_loc[i] : query_start_loc[i + 1]],
+                             tokens[query_start_loc[i] : query_start_loc[i + 1]]))
+            for i, req_id in enumerate(input_batch.req_ids)
+        })  # fmt: skip
+        return (7 * input_ids + 3 * positions).unsqueeze(-1).float()  # [num_tokens, 1]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return nn.functional.one_hot(hidden_states[:, 0].long() % RUNNER_VOCAB, RUNNER_VOCAB).float()
+
+
+@pytest.fixture(scope="module")
+def config_only_checkpoint(tmp_path_factory) -> str:
+    """A tiny Qwen3's config.json: the runner tests load no weights."""
+    path = tmp_path_factory.mktemp("config_only")
+    transformers.Qwen3Config(**TINY_SHAPES, head_dim=32, architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+def runner_on_cpu(checkpoint: str, num_blocks: int, async_scheduling: bool) -> GPUModelRunner:
+    vllm_config = make_vllm_config(
+        checkpoint, dtype="float32", block_size=BLOCK_SIZE, max_model_len=RUNNER_MAX_MODEL_LEN,
+        max_num_seqs=RUNNER_MAX_SEQS, max_num_batched_tokens=RUNNER_BUDGET, async_scheduling=async_scheduling,
+    )  # fmt: skip
+    runner = GPUModelRunner(vllm_config, torch.device("cpu"))
+    runner.model = TokenAndPositionModel(runner)
+    runner.kv_cache_config = full_attention_kv_cache_config(num_blocks, BLOCK_SIZE)
+    return runner
+
+
+RUNNER_MAX_MODEL_LEN, RUNNER_MAX_SEQS, RUNNER_BUDGET = 128, 6, 32
+
+
+def greedy_requests(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    hasher = get_request_block_hasher(BLOCK_SIZE)
+    prefix = [rng.randrange(RUNNER_VOCAB) for _ in range(2 * BLOCK_SIZE)]
+    return [
+        Request(
+            f"r{i}",
+            prefix[: rng.choice([0, BLOCK_SIZE])] + [rng.randrange(RUNNER_VOCAB) for _ in range(rng.randint(1, 30))],
+            SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True),
+            eos_token_id=None,
+            block_hasher=hasher,
+        )
+        for i in range(10)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_runner_feeds_each_request_its_last_token_from_the_device(config_only_checkpoint, seed):
+    """With async scheduling the runner feeds the token each request sampled last step from
+    the device (`prev_sampled_token_ids`, gathered by last step's row), where the host holds a
+    placeholder. Requests finish, arrive, are preempted and resumed, so rows move between
+    steps. Every token the model is fed is the request's real token at that position (never
+    a placeholder, never another row's), and every request generates what the synchronous
+    runner generates."""
+    num_blocks = 10  # 9 usable, for up to 6 requests of up to 5 blocks: the batch preempts
+    sync_runner = runner_on_cpu(config_only_checkpoint, num_blocks, async_scheduling=False)
+    sched = make_scheduler(num_blocks, BLOCK_SIZE, RUNNER_BUDGET, RUNNER_MAX_SEQS, RUNNER_MAX_MODEL_LEN, True)
+    expected, _ = run_workload(sched, greedy_requests(seed), 0.0, random.Random(seed), runner=sync_runner)
+
+    runner = runner_on_cpu(config_only_checkpoint, num_blocks, async_scheduling=True)
+    from_device, moved = [], []
+    prepare_input_ids = runner._prepare_input_ids
+
+    def spy(total_num_scheduled_tokens, cu_num_tokens):
+        input_batch = runner.input_batch
+        common = [r for r in input_batch.prev_req_id_to_index or {} if r in input_batch.req_id_to_index]
+        from_device.append(len(common))
+        moved.append(any(input_batch.prev_req_id_to_index[r] != input_batch.req_id_to_index[r] for r in common))
+        return prepare_input_ids(total_num_scheduled_tokens, cu_num_tokens)
+
+    runner._prepare_input_ids = spy
+    sched = make_scheduler(
+        num_blocks, BLOCK_SIZE, RUNNER_BUDGET, RUNNER_MAX_SEQS, RUNNER_MAX_MODEL_LEN, True, async_scheduling=True
+    )
+    preempted = []
+    preempt = sched._preempt
+    sched._preempt = lambda request: (preempted.append(request.request_id), preempt(request))
+    requests = greedy_requests(seed)
+    got, _ = run_async_workload(sched, requests, 0.0, random.Random(seed), runner=runner)
+    assert got == expected
+    assert preempted, "the cache was meant to be too small for the batch"
+    full = {r.request_id: r.prompt_token_ids + got[r.request_id] for r in requests}
+    for step, fed in enumerate(runner.model.fed):
+        for req_id, tokens in fed.items():
+            for position, token in tokens:
+                assert token == full[req_id][position], (
+                    f"step {step} fed {req_id} token {token} at position {position}, not its "
+                    f"token {full[req_id][position]}"
+                )
+    assert sum(from_device) > 0, "no step took its input from the device"
+    assert any(moved), "no request changed rows between the step that sampled it and the next"
+
+
+@pytest.mark.demo_model
+def test_the_demo_model_generates_the_same_with_its_tokens_fed_from_the_device(sync_and_async_llms):
+    """Text prompts of different lengths and budgets (requests finish at different steps, so
+    rows move), some with penalties, whose token counts must see each step's real token
+    (the runner waits for it before counting), one with bad words (the sampler reads the
+    output tokens), and seeded sampling beside greedy: the async engine, its tokens fed from
+    the device, generates exactly what the synchronous one does."""
+    sync, asynchronous = sync_and_async_llms
+    prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def ", "# A", "x = "]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, bad_words=[" the", "e"]),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, presence_penalty=1.0),
+    ]
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    assert completions(asynchronous.generate(prompts, params, use_tqdm=False)) == completions(expected)
+    unpenalized = sync.generate(prompts[2], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert completions(unpenalized) != completions(expected[2:3]), "the penalty must change the output"
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory) -> str:
+    from benchmarks.multimodal import write_tiny_llava
+
+    # CLIP at 28 pixels in 7-pixel patches: 16 positions per image.
+    vision_shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "image_size": 28, "patch_size": 7}  # fmt: skip
+    return write_tiny_llava(
+        tmp_path_factory.mktemp("llava"), text_arch="llama", text_shape=TINY_SHAPES, vision_shape=vision_shape
+    )
+
+
+def test_async_scheduling_changes_no_output_with_images(tiny_llava):
+    """A multimodal model takes embeddings, merged from the step's input ids on the device
+    after those ids were fed from the last step's tokens: images first, in the middle, last,
+    two in one prompt, one prompt without; prompts chunked through their images. The worker
+    stays in this process (async scheduling's runner path, without the overlap)."""
+    from transformers import AutoConfig
+
+    from benchmarks.multimodal import random_image
+
+    image = AutoConfig.from_pretrained(tiny_llava).image_token_index
+    a, b = random_image(1), random_image(2, 30, 30)
+    prompts = [
+        {"prompt_token_ids": [image, 11, 12, 13], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [5, 6, 7, image, 8, 9], "multi_modal_data": {"image": [b]}},
+        {"prompt_token_ids": [20, 21, image], "multi_modal_data": {"image": [a]}},
+        {"prompt_token_ids": [30, image, 31, image, 33], "multi_modal_data": {"image": [a, b]}},
+        {"prompt_token_ids": [50, 51, 52, 53]},
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 7, 10)]
+    kwargs = {"model": tiny_llava, "dtype": "float32", "max_num_batched_tokens": 24, "enable_prefix_caching": True}
+    expected = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**kwargs, async_scheduling=True, distributed_executor_backend="uni")
+    assert isinstance(llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler)
+    assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_scheduling_on_cuda_changes_no_output():
+    """On CUDA the step's tokens go to the host on a side stream and the next step's input is
+    gathered on the device while the host still holds placeholders, with the pinned step
+    buffers reused only once the previous step's copies are done: greedy tokens (preemption,
+    chunked prefill, penalties, CUDA graphs) are the synchronous engine's, with the worker in
+    this process (whose runner we can see) and in its own."""
+    kwargs = {**ENGINE_KWARGS, "device": "cuda", "gpu_memory_utilization": 0.2}
+    prompts = prompts_with_a_shared_prefix()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40 - 3 * i, ignore_eos=True, repetition_penalty=1.0 + 0.1 * (i % 2))
+        for i in range(len(prompts))
+    ]
+    expected = completions(LLM(**kwargs).generate(prompts, params, use_tqdm=False))
+    in_process = LLM(**kwargs, async_scheduling=True, distributed_executor_backend="uni")
+    runner = in_process.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    assert runner.async_output_copy_stream is not None and runner.prepare_inputs_event is not None
+    assert completions(in_process.generate(prompts, params, use_tqdm=False)) == expected
+    own_process = LLM(**kwargs, async_scheduling=True)
+    try:
+        assert completions(own_process.generate(prompts, params, use_tqdm=False)) == expected
+    finally:
+        own_process.llm_engine.shutdown()
+
+
+def handmade_step(new=(), cached=(), finished=()) -> SchedulerOutput:
+    """A step of new requests `(req_id, prompt)`, scheduled whole in block 1 + their index, and of
+    requests the runner holds `(req_id, num_computed_tokens)`, scheduled for one token each."""
+    new_reqs = [
+        NewRequestData(req_id, prompt, SamplingParams(temperature=0.0), ([1 + i],), 0)
+        for i, (req_id, prompt) in enumerate(new)
+    ]
+    num_scheduled_tokens = {req_id: len(prompt) for req_id, prompt in new} | {req_id: 1 for req_id, _ in cached}
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=[req_id for req_id, _ in cached], resumed_from_preemption=[False] * len(cached),
+            new_block_ids=[None] * len(cached), num_computed_tokens=[n for _, n in cached],
+        ),
+        num_scheduled_tokens=num_scheduled_tokens,
+        total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+        scheduled_spec_decode_tokens={},
+        num_common_prefix_blocks=[0],
+        finished_req_ids=set(finished),
+    )  # fmt: skip
+
+
+def test_a_request_back_after_an_empty_step_or_a_reused_id_is_fed_the_hosts_tokens(config_only_checkpoint):
+    """The last step's tokens come from the device only for the requests they were sampled for.
+    A request that left the batch in an empty step (which samples nothing, so fills nothing)
+    and comes back is fed its own token; a new request that takes a finished request's id,
+    with a step of the finished one's just done, must not be fed that request's token."""
+    runner = runner_on_cpu(config_only_checkpoint, num_blocks=8, async_scheduling=True)
+    a, b = [5, 6, 7], [9, 10]
+    (a_token,) = runner.execute_model(handmade_step(new=[("a", a), ("b", b)])).get_output().sampled_token_ids[0]
+    assert runner.execute_model(handmade_step()) is EMPTY_MODEL_RUNNER_OUTPUT  # a and b leave the batch
+    runner.execute_model(handmade_step(cached=[("a", len(a))], finished=["b"])).get_output()
+    assert runner.model.fed[-1] == {"a": [(len(a), a_token)]}
+    # a finishes, and a new request takes its id, with a step of a's in flight.
+    runner.execute_model(handmade_step(new=[("a", b)], finished=["a"])).get_output()
+    assert runner.model.fed[-1] == {"a": [(0, 9), (1, 10)]}

@@ -84,6 +84,21 @@ def test_smoke_results_are_complete_and_consistent(smoke_report):
     assert summary["nano_v1_fraction_of_roofline"] == ours["fraction_of_roofline"]
 
 
+@pytest.mark.slow
+def test_smoke_async_scheduling_pairs_each_batch_size(smoke_report):
+    _, report = smoke_report
+    result = report["measurements"]["async_scheduling"]["result"]
+    assert result["executors"] == {"sync": "UniProcExecutor", "async": "MultiprocExecutor"}
+    rows = result["rows"]
+    assert [(r["batch_size"], r["scheduling"]) for r in rows] == [(1, "sync"), (1, "async"), (4, "sync"), (4, "async")]
+    for r in rows:
+        assert r["num_decode_steps"] >= 2 and 0 < r["engine_core_host_ms"] < r["step_ms"]
+        assert r["engine_core_host_ms"] == pytest.approx(r["schedule_ms"] + r["update_ms"])
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] / (r["step_ms"] / 1e3))
+    assert set(result["async_decode_speedup"]) == {"1", "4"}  # JSON keys
+    assert report["summary"]["async_decode_speedup"] == result["async_decode_speedup"]
+
+
 def test_the_smoke_report_goes_into_the_ledger(smoke_report, tmp_path):
     out, report = smoke_report
     target = ledger.add_to_ledger(out / "gpu_suite.json", tmp_path)

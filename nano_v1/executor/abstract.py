@@ -30,7 +30,7 @@ import torch.distributed
 from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 from nano_v1.utils import run_method
 from nano_v1.worker.gpu_worker import Worker
 
@@ -108,12 +108,14 @@ class Executor:
 
         `non_block`: return a `Future` of the output (`EngineCore.step_with_batch_queue`).
         Here the step has run by then: the future is done, holding the output or the error.
+        With async scheduling the worker returns an `AsyncModelRunnerOutput`, waited for here:
+        the worker shares this process, so there is nothing to overlap the wait with.
         """
         if not non_block:
-            return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+            return _get_output(self.collective_rpc("execute_model", args=(scheduler_output,))[0])
         future: Future[ModelRunnerOutput] = Future()
         try:
-            future.set_result(self.collective_rpc("execute_model", args=(scheduler_output,))[0])
+            future.set_result(_get_output(self.collective_rpc("execute_model", args=(scheduler_output,))[0]))
         except Exception as e:  # noqa: BLE001  (the caller meets it at future.result())
             future.set_exception(e)
         return future
@@ -130,6 +132,11 @@ class Executor:
 
     def shutdown(self) -> None:
         raise NotImplementedError
+
+
+def _get_output(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
+    """The output itself, its tokens on the host (async scheduling's wait is here)."""
+    return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
 
 
 class UniProcExecutor(Executor):

@@ -48,7 +48,7 @@ from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.distributed.device_communicators.shm_broadcast import Handle, MessageQueue, QueueCancelledError
 from nano_v1.engine.exceptions import EngineDeadError
 from nano_v1.executor.abstract import Executor, FailureCallback, RpcMethod
-from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 from nano_v1.utils import (
     describe_exit,
     exit_when_parent_dies,
@@ -314,7 +314,7 @@ class WorkerProc:
         self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, reader_rank=rank)
         self.worker_response_mq = MessageQueue.create_from_handle(output_shm_handle, reader_rank=None)
         # Async scheduling (chapter 14): answers leave from a thread of their own, so that
-        # serializing and sending step N's output overlaps step N + 1.
+        # waiting for step N's tokens, serializing and sending its output overlap step N + 1.
         self.use_async_scheduling = vllm_config.scheduler_config.async_scheduling
         if self.use_async_scheduling:
             self.async_output_queue: queue.Queue[tuple[WorkerProc.ResponseStatus, Any]] = queue.Queue()
@@ -416,17 +416,26 @@ class WorkerProc:
         ready_pipe.close()
         worker.worker_busy_loop()
 
+    def enqueue_output(self, response: tuple[WorkerProc.ResponseStatus, Any]) -> None:
+        """Send an answer; a step's output still on its way from the device is waited for first
+        (`AsyncModelRunnerOutput.get_output`)."""
+        status, output = response
+        if isinstance(output, AsyncModelRunnerOutput):
+            response = (status, output.get_output())
+        self.worker_response_mq.enqueue(response)
+
     def handle_output(self, response: tuple[WorkerProc.ResponseStatus, Any]) -> None:
-        """Send an answer: from this thread, or with async scheduling from the output thread."""
+        """Send an answer: from this thread, or with async scheduling from the output thread, where
+        waiting for a step's tokens and sending them overlaps the next step."""
         if self.use_async_scheduling:
             self.async_output_queue.put(response)
         else:
-            self.worker_response_mq.enqueue(response)
+            self.enqueue_output(response)
 
     def async_output_busy_loop(self) -> None:
         """The output thread: send each answer in the order the busy loop produced them."""
         while True:
-            self.worker_response_mq.enqueue(self.async_output_queue.get())
+            self.enqueue_output(self.async_output_queue.get())
             self.async_output_queue.task_done()
 
     def worker_busy_loop(self) -> None:

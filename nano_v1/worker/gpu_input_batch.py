@@ -176,6 +176,12 @@ class InputBatch:
         self._added: list[AddedRequest] = []
         self._moved: list[MovedRequest] = []
 
+        # Async scheduling (chapter 14): the last step's sampled tokens, [num_reqs, 1] on the
+        # device, and the row each request that kept its token had then. Set while the host
+        # holds placeholders for those tokens; None otherwise (always, without async scheduling).
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.prev_req_id_to_index: dict[str, int] | None = None
+
         # The per-row numpy columns, moved together with the request.
         self._columns: list[np.ndarray] = [
             self.num_tokens,

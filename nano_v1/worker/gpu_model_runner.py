@@ -1,6 +1,6 @@
 """The model runner: scheduler output in, one forward pass and one sample per request out.
 
-Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11 and 12).
+Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11, 12 and 14).
 
 Why it is shaped this way: a step's inputs are a flat, ragged batch (every scheduled
 token of every request, back to back), and nearly all of it is already known from the
@@ -24,6 +24,16 @@ the dispatcher which graph to replay and how far to pad, and tells the graph wra
 through the forward context. The padding rows compute garbage that nothing reads:
 attention caches and attends only the real tokens, and logits take real rows only.
 
+With async scheduling (chapter 14) a step never waits for its sampled tokens: the
+persistent batch and each request's state get a placeholder (-1) per token, the tokens
+stay on the device as `input_batch.prev_sampled_token_ids`, and `execute_model` returns an
+`AsyncGPUModelRunnerOutput` that copies them to the host behind the step (a side stream
+on CUDA; on the CPU the tokens are the host's already and nothing waits). The next step
+gathers them on the device into its input ids (`_prepare_input_ids`), and writes them over
+the host's placeholders once its own forward is queued, or earlier when the host needs
+them (`_fill_sampled_token_placeholders`). `synchronize_input_prep` keeps a step from
+overwriting pinned buffers that the step before is still copying from.
+
 The methods follow v0.11.0's order. What differs from v0.11.0: one attention metadata
 builder for every KV cache group; `initialize_cudagraph_capture` runs at construction,
 not in `capture_model`, as `load_model` already wraps the model for the resolved mode;
@@ -31,13 +41,20 @@ one capture loop over the dispatcher's keys instead of a `_capture_cudagraphs` c
 mode, and no garbage-collector freeze, data-parallel padding or micro-batches;
 `_pad_for_full_graph` is nano_v1's own (vLLM pads the same buffers in `_prepare_inputs`
 on every step); `_bookkeeping_sync` returns the `ModelRunnerOutput` rather than its
-parts, as nano_v1 has no NaN counts, prompt logprobs or pooling to add to it.
+parts, as nano_v1 has no NaN counts, prompt logprobs or pooling to add to it. With async
+scheduling, v0.11.0 leaves the placeholders in the host's token table and request states
+for good (with pipeline parallelism the scheduler sends the tokens back); nano_v1 writes
+the real tokens over them during the next step (`_fill_sampled_token_placeholders`), as
+a request resumed after preemption is rewritten from its state, and penalties and bad
+words read the output tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -57,7 +74,12 @@ from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from nano_v1.model_executor.model_loader import get_model
 from nano_v1.multimodal import MULTIMODAL_REGISTRY
-from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    DraftTokenIds,
+    ModelRunnerOutput,
+)
 from nano_v1.sample.logits_processor import build_logitsprocs
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -73,6 +95,56 @@ logger = logging.getLogger(__name__)
 # Where the padding rows of a FULL graph write their keys and values: slot 0 of block 0,
 # the null block, which the block pool never hands to a request.
 NULL_BLOCK_SLOT = 0
+
+
+class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
+    """A step's output whose sampled tokens are copied to the host behind the step (chapter 14).
+
+    On CUDA the copy is queued on a side stream, after everything the step queued on the
+    current one, and an event marks its end: the runner returns at once and goes on to the
+    next step, and `get_output` (in the worker's output thread) waits for the event. On the
+    CPU there is no stream and nothing to wait for: the tokens are on the host when the
+    step returns, and `get_output` only builds the output.
+    """
+
+    def __init__(
+        self,
+        model_runner_output: ModelRunnerOutput,
+        sampled_token_ids: torch.Tensor,
+        invalid_req_indices: list[int],
+        async_output_copy_stream: torch.cuda.Stream | None,
+    ) -> None:
+        """`sampled_token_ids`: [num_reqs, 1] on the device; rows in `invalid_req_indices` keep no token."""
+        self._model_runner_output = model_runner_output
+        self._invalid_req_indices = invalid_req_indices
+        self._async_copy_ready_event: torch.cuda.Event | None = None
+        if async_output_copy_stream is None:  # the CPU: the tensor is the host's already
+            self._sampled_token_ids_cpu = sampled_token_ids.cpu()
+            return
+        # The device tensor must outlive the copy: held until get_output.
+        self._sampled_token_ids = sampled_token_ids
+        self._async_copy_ready_event = torch.cuda.Event()
+        default_stream = torch.cuda.current_stream()
+        with torch.cuda.stream(async_output_copy_stream):
+            async_output_copy_stream.wait_stream(default_stream)
+            self._sampled_token_ids_cpu = sampled_token_ids.to("cpu", non_blocking=True)
+            self._async_copy_ready_event.record()
+
+    def _host_sampled_token_ids(self) -> torch.Tensor:
+        """The step's sampled tokens on the host, [num_reqs, 1], once the copy is done (blocks until
+        then). Thread-safe: the output thread and the runner's next step both wait here."""
+        if self._async_copy_ready_event is not None:
+            self._async_copy_ready_event.synchronize()
+        return self._sampled_token_ids_cpu
+
+    def get_output(self) -> ModelRunnerOutput:
+        valid_sampled_token_ids = self._host_sampled_token_ids().tolist()
+        self._sampled_token_ids = None  # the copy is done: the device tensor may go
+        for i in self._invalid_req_indices:
+            valid_sampled_token_ids[i].clear()
+        output = self._model_runner_output
+        output.sampled_token_ids = valid_sampled_token_ids
+        return output
 
 
 class GPUModelRunner:
@@ -153,6 +225,23 @@ class GPUModelRunner:
         # 0, 1, 2, ... once, so that per-step aranges are slices rather than allocations.
         self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens))
 
+        # Async scheduling (chapter 14): a step returns without waiting for its sampled tokens.
+        # On CUDA they go to the host on a side stream; on the CPU there is no stream, and
+        # every copy is done when it returns.
+        self.use_async_scheduling = self.scheduler_config.async_scheduling
+        on_cuda = device.type == "cuda"
+        self.async_output_copy_stream = (
+            torch.cuda.Stream(device) if self.use_async_scheduling and on_cuda else None
+        )
+        # The last step's output while the host holds placeholders for its tokens.
+        self._prev_async_output: AsyncGPUModelRunnerOutput | None = None
+        # CUDA, async: recorded after a step's host -> device copies out of the pinned step
+        # buffers, which the next step must not overwrite before they are done. Starts done.
+        self.prepare_inputs_event: torch.cuda.Event | None = None
+        if self.async_output_copy_stream is not None:
+            self.prepare_inputs_event = torch.cuda.Event()
+            self.prepare_inputs_event.record(torch.cuda.current_stream(device))
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to `self.requests` and to the persistent batch.
 
@@ -205,6 +294,18 @@ class GPUModelRunner:
                 input_batch.block_table.add_row(new_block_ids, req_index)
             elif new_block_ids is not None:
                 input_batch.block_table.append_row(new_block_ids, req_index)
+
+        # Async scheduling: the penalties' bins count output tokens (refresh_metadata), and a
+        # request re-entering the batch is written from its state, so both need the last
+        # step's real tokens on the host: wait for them here. (A request the last step sampled
+        # for re-enters only after an empty step, which fills nothing; or a new request takes
+        # a finished one's id, and must not be fed its token.) Otherwise the wait comes after
+        # the forward is queued (execute_model), behind the last step on the device anyway.
+        prev_req_id_to_index = input_batch.prev_req_id_to_index
+        if prev_req_id_to_index and (
+            not input_batch.no_penalties or any(r.req_id in prev_req_id_to_index for r in reqs_to_add)
+        ):
+            self._fill_sampled_token_placeholders()
 
         # Fill the lowest holes first, then close whatever holes remain.
         removed_req_indices.sort(reverse=True)
@@ -274,7 +375,7 @@ class GPUModelRunner:
         discard_req_indices = np.flatnonzero(seq_lens_np < input_batch.num_tokens[:num_reqs])
 
         # Ship this step's inputs (non-blocking from pinned memory on CUDA).
-        self.input_ids.copy_to_gpu(total_num_tokens)
+        self._prepare_input_ids(total_num_tokens, cu_num_tokens)
         self.positions.copy_to_gpu(total_num_tokens)
         query_start_loc = self.query_start_loc.copy_to_gpu(num_reqs + 1)
         shared = {
@@ -299,6 +400,53 @@ class GPUModelRunner:
         ]
         logits_indices = query_start_loc[1:].to(torch.int64) - 1  # [num_reqs]
         return common_attn_metadata, logits_indices, discard_req_indices
+
+    def _prepare_input_ids(self, total_num_scheduled_tokens: int, cu_num_tokens: np.ndarray) -> None:
+        """Put the step's input ids on the device: the host's, except that with async scheduling
+        the tokens the last step sampled come from the device (`prev_sampled_token_ids`), where
+        the host has placeholders.
+
+        A request that the last step sampled for and that is still in the batch decodes that
+        token now, as its one scheduled token, at flat index `cu_num_tokens[row] - 1`; the token
+        is row `prev_req_id_to_index[req_id]` of `prev_sampled_token_ids`. Rows may have moved
+        in between (requests finished, added, condensed), hence a gather by the old row and a
+        scatter to the new flat index; when nothing moved, one slice copy does. A request that
+        left the batch and came back has its real tokens on the host (`_update_states` waited
+        for them) and is not in `prev_req_id_to_index` any more.
+        """
+        input_batch = self.input_batch
+        prev_sampled_token_ids = input_batch.prev_sampled_token_ids
+        if prev_sampled_token_ids is None:
+            self.input_ids.copy_to_gpu(total_num_scheduled_tokens)
+            return
+        req_id_to_index = input_batch.req_id_to_index
+        req_indices: list[int] = []
+        prev_req_indices: list[int] = []
+        for req_id, prev_req_index in input_batch.prev_req_id_to_index.items():
+            req_index = req_id_to_index.get(req_id)
+            if req_index is not None:
+                req_indices.append(req_index)
+                prev_req_indices.append(prev_req_index)
+        num_common_tokens = len(req_indices)
+        if num_common_tokens < total_num_scheduled_tokens:
+            # Some of the step's tokens are the host's: ship them all, then overwrite the rest.
+            self.input_ids.copy_to_gpu(total_num_scheduled_tokens)
+        if num_common_tokens == 0:
+            return
+        flat_indices = cu_num_tokens[req_indices] - 1
+        input_ids = self.input_ids.gpu
+        # n distinct flat indices whose largest is n - 1 are 0 .. n - 1: each row's token goes
+        # to the flat index equal to its old row.
+        if flat_indices.max() == num_common_tokens - 1 and np.array_equal(flat_indices, prev_req_indices):
+            input_ids[:num_common_tokens].copy_(
+                prev_sampled_token_ids[:num_common_tokens, 0], non_blocking=True
+            )
+            return
+        flat_index = torch.tensor(flat_indices, dtype=torch.int64, pin_memory=self.pin_memory)
+        prev_index = torch.tensor(prev_req_indices, dtype=torch.int64, pin_memory=self.pin_memory)
+        input_ids[flat_index.to(self.device, non_blocking=True)] = prev_sampled_token_ids[
+            prev_index.to(self.device, non_blocking=True), 0
+        ].to(input_ids.dtype)
 
     def _pad_for_full_graph(
         self, num_reqs: int, num_padded: int, max_seq_len: int
@@ -517,12 +665,23 @@ class GPUModelRunner:
         A row keeps one token, or with drafts 1 .. k + 1: a prefix of its sampled row,
         placeholders after it. vLLM's takes the scheduler output, logits and hidden states
         too, for outputs nano_v1 does not produce, and returns the output's parts.
+
+        With async scheduling nothing waits for the device: each kept row gets a placeholder
+        (-1) for its one token (speculative decoding is refused then), in the batch, in its
+        state and in the output, and the tokens stay on the device as `prev_sampled_token_ids`
+        for the next step's input. The next step writes them over the placeholders on the
+        host (`_fill_sampled_token_placeholders`), and the output gets them in `get_output`.
         """
         input_batch = self.input_batch
         req_ids = input_batch.req_ids
-        # The step's one device -> host synchronisation.
-        sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs, 1 + max_spec_len]
-        num_sampled = (sampled_np != PLACEHOLDER_TOKEN_ID).sum(axis=1)
+        if self.use_async_scheduling:
+            assert sampler_output.sampled_token_ids.shape[1] == 1, "one token per row with async scheduling"
+            sampled_np = np.full((len(req_ids), 1), PLACEHOLDER_TOKEN_ID)
+            num_sampled = np.ones(len(req_ids), dtype=np.int64)
+        else:
+            # The step's one device -> host synchronisation.
+            sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs, 1 + max_spec_len]
+            num_sampled = (sampled_np != PLACEHOLDER_TOKEN_ID).sum(axis=1)
         num_sampled[discard_req_indices] = 0
         sampled_token_ids: list[list[int]] = [
             row[:n] for row, n in zip(sampled_np.tolist(), num_sampled.tolist())
@@ -537,6 +696,9 @@ class GPUModelRunner:
         kept = num_sampled > 0
         for i in np.flatnonzero(kept):
             self.requests[req_ids[i]].output_token_ids.extend(sampled_token_ids[i])
+        if self.use_async_scheduling:
+            input_batch.prev_sampled_token_ids = sampler_output.sampled_token_ids
+            input_batch.prev_req_id_to_index = {req_ids[i]: i for i in np.flatnonzero(kept).tolist()}
         logprobs = None
         if sampler_output.logprobs_tensors is not None:
             num_logprobs = input_batch.num_logprobs
@@ -550,46 +712,109 @@ class GPUModelRunner:
             logprobs=logprobs,
         )
 
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: update the persistent batch, prepare inputs, run the model, sample, keep the tokens."""
-        self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
-        common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
-        spec_decode_metadata = None
-        if scheduler_output.scheduled_spec_decode_tokens:
-            spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
-            logits_indices = spec_decode_metadata.logits_indices
+    @contextmanager
+    def synchronize_input_prep(self) -> Iterator[None]:
+        """Around the host's writes into the pinned step buffers, with async scheduling on CUDA:
+        wait until the last step's copies out of them are done, and mark this step's.
 
-        first = common_attn_metadata[0]  # the batch's shape is every group's
-        num_tokens, num_reqs = first.num_actual_tokens, first.num_reqs
-        if self.supports_mm_inputs:
-            self._execute_mm_encoder(scheduler_output)
-            mm_embeds, is_mm_embed = self._gather_mm_embeddings(scheduler_output)
-            self.inputs_embeds[:num_tokens] = self.model.get_input_embeddings(
-                self.input_ids.gpu[:num_tokens], mm_embeds, is_mm_embed
+        Without it a step could overwrite input ids, positions or block tables that the
+        step before still has to copy to the device. Elsewhere nothing waits: on the CPU the
+        copies are done when they return, and a synchronous step waits for its tokens.
+        """
+        if self.prepare_inputs_event is None:
+            yield
+            return
+        self.prepare_inputs_event.synchronize()
+        try:
+            yield
+        finally:
+            self.prepare_inputs_event.record()
+
+    @torch.inference_mode()
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+        """One step: update the persistent batch, prepare inputs, run the model, sample, keep the tokens.
+
+        With async scheduling it returns before the sampled tokens reach the host: an
+        `AsyncGPUModelRunnerOutput`, whose `get_output` waits for them.
+        """
+        with self.synchronize_input_prep():
+            self._update_states(scheduler_output)
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
+            common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
+            spec_decode_metadata = None
+            if scheduler_output.scheduled_spec_decode_tokens:
+                spec_decode_metadata = self._calc_spec_decode_metadata(scheduler_output)
+                logits_indices = spec_decode_metadata.logits_indices
+
+            first = common_attn_metadata[0]  # the batch's shape is every group's
+            num_tokens, num_reqs = first.num_actual_tokens, first.num_reqs
+            if self.supports_mm_inputs:
+                self._execute_mm_encoder(scheduler_output)
+                mm_embeds, is_mm_embed = self._gather_mm_embeddings(scheduler_output)
+                self.inputs_embeds[:num_tokens] = self.model.get_input_embeddings(
+                    self.input_ids.gpu[:num_tokens], mm_embeds, is_mm_embed
+                )
+            uniform_decode = first.max_query_len == 1 and num_tokens == num_reqs
+            cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
+                num_tokens, uniform_decode
             )
-        uniform_decode = first.max_query_len == 1 and num_tokens == num_reqs
-        cudagraph_runtime_mode, batch_descriptor = self.cudagraph_dispatcher.dispatch(
-            num_tokens, uniform_decode
-        )
-        num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
-        num_common_prefix_blocks = scheduler_output.num_common_prefix_blocks
-        if cudagraph_runtime_mode == CUDAGraphMode.FULL:
-            # The FULL graph captured plain attention, so a graphed step never cascades.
-            common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, first.max_seq_len)
-            num_common_prefix_blocks = None
-        attn_metadata = self._build_attention_metadata(common_attn_metadata, num_common_prefix_blocks)
+            num_input_tokens = batch_descriptor.num_tokens if batch_descriptor is not None else num_tokens
+            num_common_prefix_blocks = scheduler_output.num_common_prefix_blocks
+            if cudagraph_runtime_mode == CUDAGraphMode.FULL:
+                # The FULL graph captured plain attention, so a graphed step never cascades.
+                common_attn_metadata = self._pad_for_full_graph(num_reqs, num_input_tokens, first.max_seq_len)
+                num_common_prefix_blocks = None
+            attn_metadata = self._build_attention_metadata(common_attn_metadata, num_common_prefix_blocks)
 
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
             hidden_states = self.model(*self._model_inputs(num_input_tokens))
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
+        if self.use_async_scheduling:
+            # The sampler may read output tokens (bad words): the last step's must be real. Waiting
+            # for them now costs the device nothing, as this step is queued behind that one.
+            self._fill_sampled_token_placeholders()
         sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
         output = self._bookkeeping_sync(sampler_output, discard_req_indices)
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
-        return output
+        if not self.use_async_scheduling:
+            return output
+        self._prev_async_output = AsyncGPUModelRunnerOutput(
+            output,
+            sampler_output.sampled_token_ids,
+            discard_req_indices.tolist(),
+            self.async_output_copy_stream,
+        )
+        return self._prev_async_output
+
+    def _fill_sampled_token_placeholders(self) -> None:
+        """Write the last step's sampled tokens over their placeholders on the host (async scheduling).
+
+        Waits for that step's copy to the host. Afterwards the host holds every token, in each
+        request's state and in the batch's token table, so nothing needs the device's copy any
+        more. A request finished since has no state left; a new request that took a finished
+        one's id has no placeholder.
+        """
+        prev_output = self._prev_async_output
+        if prev_output is None:
+            return
+        input_batch = self.input_batch
+        sampled = prev_output._host_sampled_token_ids()[:, 0].tolist()
+        for req_id, prev_req_index in input_batch.prev_req_id_to_index.items():
+            req_state = self.requests.get(req_id)
+            if req_state is None or req_state.output_token_ids[-1:] != [PLACEHOLDER_TOKEN_ID]:
+                continue
+            token = sampled[prev_req_index]
+            req_state.output_token_ids[-1] = token
+            req_index = input_batch.req_id_to_index.get(req_id)
+            if req_index is not None:
+                input_batch.token_ids_cpu[req_index, req_state.num_tokens - 1] = token
+        self._prev_async_output = None
+        input_batch.prev_sampled_token_ids = None
+        input_batch.prev_req_id_to_index = None
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """Hand the drafts of the last step to the scheduler (once)."""

@@ -33,8 +33,8 @@ from nano_v1.distributed.parallel_state import (
     init_distributed_environment,
 )
 from nano_v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput, StepTiming
-from nano_v1.worker.gpu_model_runner import GPUModelRunner
+from nano_v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput, StepTiming
+from nano_v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput, GPUModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,9 @@ class Worker:
         """Capture the CUDA graphs, once the KV cache exists (chapter 08)."""
         self.model_runner.capture_model()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """The step's output; with async scheduling its tokens may still be on their way to the
+        host, and the caller that sends it on calls `get_output` (chapter 14)."""
         return self.model_runner.execute_model(scheduler_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -209,17 +211,19 @@ class StepTimer:
         self.runner.model = self._model
         return self.timings
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         self.forward_s = self.encoder_s = 0.0
         self.num_encoder_tokens = 0
         start = time.perf_counter()
         output = self._execute_model(scheduler_output)
         execute_model_s = time.perf_counter() - start
+        # With async scheduling the rows that keep a token hold a placeholder for it already.
+        kept = output._model_runner_output if isinstance(output, AsyncGPUModelRunnerOutput) else output
         if scheduler_output.total_num_scheduled_tokens > 0:  # else the step ran no model
             self.timings.append(
                 StepTiming(
                     num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-                    num_sampled_reqs=sum(1 for tokens in output.sampled_token_ids if tokens),
+                    num_sampled_reqs=sum(1 for tokens in kept.sampled_token_ids if tokens),
                     execute_model_s=execute_model_s,
                     forward_s=self.forward_s,
                     encoder_s=self.encoder_s,

@@ -13,11 +13,10 @@ counts those tokens, one per step in flight that samples for the request.
     schedule N + 1  num_new = num_tokens + 1 - computed = 1    (the runner feeds t itself)
     update N        t appended, -1 placeholder
 
-The scheduler never needs the token's value: the model runner wrote `t` into its own
-persistent batch when it sampled it, so step N + 1's input is there when it runs. The
-only thing that must wait for the value is the prefix cache: a block's hash covers its
-tokens, so blocks are cached up to the real tokens only
-(`num_computed_tokens - num_output_placeholders`), once each step's tokens come back.
+The scheduler never needs the token's value: the model runner keeps `t` itself, so step
+N + 1's input is there when it runs. The only thing that must wait for the value is the
+prefix cache: a block's hash covers its tokens, so blocks are cached up to the real tokens
+only (`num_computed_tokens - num_output_placeholders`), once each step's tokens come back.
 
 What a request sees does not change: a request that finishes while a step for it is in
 flight (a stop token, `max_tokens`, an abort) is forgotten by then, and that step's
@@ -27,19 +26,21 @@ that step's (real) token when it arrives, and is cached again from scratch when 
 What runs where: the engine core schedules and updates in its process while the worker
 runs the step in its own (the multiprocess executor, the default with async scheduling;
 with the worker in the engine core's process each step has run by the time it is
-queued, and nothing overlaps, as in v0.11.0). The worker sends each answer from an output
-thread (`WorkerProc.async_output_busy_loop`), so sending step N's output overlaps step
-N + 1. The same code runs on the CPU and on CUDA.
+queued, and nothing overlaps, as in v0.11.0). The model runner does not wait for a step's
+sampled tokens either: it keeps a placeholder for each in its own batch, returns an
+`AsyncGPUModelRunnerOutput` whose tokens are copied to the host behind the step (on a
+side stream on CUDA), and feeds them to step N + 1 from the device
+(`prev_sampled_token_ids` in `GPUModelRunner._prepare_input_ids`). The worker's output
+thread (`WorkerProc.async_output_busy_loop`) waits for the copy and sends the output, so
+the worker prepares step N + 1 while step N runs on the device and its output travels.
+On the CPU the same code runs; the device is the host there, so nothing waits and
+nothing overlaps inside the worker.
 
 What differs from v0.11.0: nothing in this class. The placeholders enter the scheduler's
 token count in `Scheduler._get_num_new_tokens` (v0.11.0 adds them in the running pass
-only; a waiting request never has any, which the tests check). Left out: on CUDA,
-v0.11.0's model runner also avoids waiting for the sampled tokens within the step: it
-copies them to the host on a side stream (`AsyncGPUModelRunnerOutput`, waited for in the
-output thread) and feeds them to the next step from the device (`prev_sampled_token_ids`
-in `_prepare_input_ids`). nano_v1's runner copies them within the step on every device,
-so the worker's own input preparation does not overlap the forward; the engine core's
-scheduling and output handling do.
+only; a waiting request never has any, which the tests check). The model runner's
+placeholders are v0.11.0's; that the runner writes the real tokens over them during the
+next step is nano_v1's (see `GPUModelRunner._fill_sampled_token_placeholders`).
 """
 
 from __future__ import annotations
