@@ -266,8 +266,8 @@ print(
 # Repetition, frequency and presence penalties (chapter 01) read, for every row and every
 # token of the vocabulary, whether the prompt holds it and how often the row sampled it.
 # Rebuilt every step from the requests' token lists (as vLLM v0.11.0's sampler does), that
-# is O(batch x (prompt + output)) Python and copying, plus zeroing two [batch, vocab]
-# tables: at Qwen3's 151,936-token vocabulary and batch 256, 194 MB per step. The
+# is O(batch x (prompt + output)) Python and copying, plus zeroing two [batch, vocab + 1]
+# int32 tables: at Qwen3's 151,936-token vocabulary and batch 256, 311 MB per step. The
 # persistent batch keeps the tables (`InputBatch.prompt_mask`, `InputBatch.output_bin_counts`)
 # and updates them from the diff (`InputBatch._update_penalty_bins`): a joining request's
 # prompt once, then one count per sampled token.
