@@ -6,7 +6,8 @@ Why it exists: rebuilding the batch every step costs O(batch x context) Python w
 keeping each request in a fixed row of preallocated arrays and applying only the
 scheduler's diff (a new request, a finished one, a few new block ids) costs
 O(changes). The penalties' token bins follow the same rule: a row's prompt bins are
-written once when it joins, and each sampled token adds one count. Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
+written once, at the first refresh after it joins, and each sampled token adds one count.
+Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
 `[:num_reqs]` and handed to numpy or copied to the device in one piece.
 
 What differs from v0.11.0: the penalties' token bins live here (vLLM rebuilds them in the
