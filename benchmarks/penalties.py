@@ -67,26 +67,38 @@ SMOKE_BATCH_SIZES = (1, 8)
 PARAMS = SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
 
 
-def rebuild_bins(
-    prompts: list[list[int]], outputs: list[list[int]], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt_mask, output_bin_counts) [batch, vocab] from every row's token lists, from scratch.
+def padded_token_ids(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, longest] int64 on `device`: each row's tokens, padded with `vocab_size` (no token)."""
+    width = max(1, max(len(tokens) for tokens in token_lists))
+    return torch.tensor(
+        [tokens + [vocab_size] * (width - len(tokens)) for tokens in token_lists], dtype=torch.int64
+    ).to(device)
 
-    As vLLM v0.11.0's `get_token_bin_counts_and_mask`: the lists padded with `vocab_size`
-    into one tensor, counted with a scatter-add into `vocab_size + 1` bins, the padding
-    bin dropped.
+
+def bins_from_padded(
+    prompts: torch.Tensor, outputs: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_mask, output_bin_counts) [rows, vocab] from padded token ids, in fresh tables.
+
+    As vLLM v0.11.0's `get_token_bin_counts_and_mask`: a scatter-add into `vocab_size + 1`
+    bins, the padding bin dropped.
     """
 
-    def bin_counts(token_lists: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(tokens) for tokens in token_lists))
-        padded = torch.tensor(
-            [tokens + [vocab_size] * (width - len(tokens)) for tokens in token_lists], dtype=torch.int64
-        ).to(device)
-        counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.int32, device=device)
+    def bin_counts(padded: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros(len(padded), vocab_size + 1, dtype=torch.int32, device=padded.device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
         return counts[:, :vocab_size]
 
     return bin_counts(prompts) > 0, bin_counts(outputs)
+
+
+def rebuild_bins(
+    prompts: list[list[int]], outputs: list[list[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_mask, output_bin_counts) [batch, vocab] from every row's token lists, from scratch."""
+    return bins_from_padded(
+        padded_token_ids(prompts, vocab_size, device), padded_token_ids(outputs, vocab_size, device), vocab_size
+    )
 
 
 class DecodeDriver:
@@ -172,7 +184,8 @@ def measure(workload: PenaltyWorkload, batch_size: int, device: torch.device) ->
     driver = DecodeDriver(workload, batch_size, device)
     vocab = workload.vocab_size
     logits = torch.randn(batch_size, vocab, device=device)
-    ms: dict[str, list[float]] = {"diff": [], "rebuild": [], "apply": []}
+    # The rebuild in two parts: the token lists made tensors, then the tables counted from them.
+    ms: dict[str, list[float]] = {"diff": [], "rebuild": [], "rebuild_lists": [], "rebuild_tables": [], "apply": []}
     num_joined_timed = 0
     for repeat in range(-1, workload.num_repeats):  # repeat -1: warm-up, not recorded
         steps = workload.num_warmup_steps if repeat < 0 else workload.num_steps
@@ -181,8 +194,11 @@ def measure(workload: PenaltyWorkload, batch_size: int, device: torch.device) ->
             finished, joining, sampled = driver.step_inputs()
             _, diff_s = timed(lambda: driver.apply_diff(finished, joining, sampled), device)
             prompts, outputs = driver.token_lists()
-            (prompt_mask, output_bin_counts), rebuild_s = timed(
-                lambda: rebuild_bins(prompts, outputs, vocab, device), device
+            (padded_prompts, padded_outputs), lists_s = timed(
+                lambda: (padded_token_ids(prompts, vocab, device), padded_token_ids(outputs, vocab, device)), device
+            )
+            (prompt_mask, output_bin_counts), tables_s = timed(
+                lambda: bins_from_padded(padded_prompts, padded_outputs, vocab), device
             )
             md = driver.batch.sampling_metadata
             if not (
@@ -190,7 +206,9 @@ def measure(workload: PenaltyWorkload, batch_size: int, device: torch.device) ->
             ):
                 raise AssertionError(f"batch {batch_size}: the diff-updated bins differ from the rebuilt ones")
             seconds["diff"] += diff_s
-            seconds["rebuild"] += rebuild_s
+            seconds["rebuild_lists"] += lists_s
+            seconds["rebuild_tables"] += tables_s
+            seconds["rebuild"] += lists_s + tables_s
             num_joined_timed += len(joining) if repeat >= 0 else 0
         work = logits.clone()
         _, seconds["apply"] = timed(
@@ -205,9 +223,8 @@ def measure(workload: PenaltyWorkload, batch_size: int, device: torch.device) ->
             device,
         )
         if repeat >= 0:
-            ms["diff"].append(1e3 * seconds["diff"] / steps)
-            ms["rebuild"].append(1e3 * seconds["rebuild"] / steps)
-            ms["apply"].append(1e3 * seconds["apply"])
+            for path in ms:
+                ms[path].append(1e3 * seconds[path] / (1 if path == "apply" else steps))
     row: dict[str, Any] = {"batch_size": batch_size}
     for path, values in ms.items():
         row[f"{path}_ms"] = statistics.median(values)
@@ -220,7 +237,8 @@ def measure(workload: PenaltyWorkload, batch_size: int, device: torch.device) ->
     row["bins_bytes"] = batch_size * vocab * (1 + 4)
     print(
         f"  batch {batch_size:>4}: state diff {row['diff_ms']:8.3f} ms, rebuilt {row['rebuild_ms']:8.3f} ms "
-        f"({row['rebuild_over_diff']:6.1f}x); apply {row['apply_ms']:8.3f} ms "
+        f"({row['rebuild_over_diff']:6.1f}x; lists {row['rebuild_lists_ms']:.3f}, tables "
+        f"{row['rebuild_tables_ms']:.3f}); apply {row['apply_ms']:8.3f} ms "
         f"(spread over {workload.num_repeats} repeats: diff {row['diff_ms_min']:.3f}-{row['diff_ms_max']:.3f}, "
         f"rebuilt {row['rebuild_ms_min']:.3f}-{row['rebuild_ms_max']:.3f})"
     )

@@ -320,8 +320,9 @@ plt.show()
 # ## Explain the gap
 #
 # The rebuild pays, every step, for turning every row's prompt and output lists into one
-# padded tensor and scatter-adding it into freshly zeroed tables: it grows a little faster
-# than the batch. The diff pays a fixed cost (the refresh also tells the logits processors
+# padded tensor ("lists" above) and scatter-adding it into freshly zeroed tables
+# ("tables"): it grows a little faster than the batch, and on a CPU the tables, new
+# memory every step, are most of it. The diff pays a fixed cost (the refresh also tells the logits processors
 # what changed) plus a prompt's bins per joining request and one indexed add for the
 # sampled tokens, so it grows far more slowly and the ratio widens with the batch. Both
 # are small next to applying the penalties, which reads and writes the whole [batch, vocab]

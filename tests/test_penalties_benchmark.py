@@ -35,6 +35,9 @@ def test_smoke_run_writes_every_batch_size_with_spread(tmp_path):
             assert row[f"{path}_ms_min"] <= row[f"{path}_ms"] <= row[f"{path}_ms_max"], path
             assert all(v > 0 for v in values), path
         assert row["rebuild_over_diff"] == pytest.approx(row["rebuild_ms"] / row["diff_ms"])
+        # The rebuild is its two timed parts: lists made tensors, tables counted from them.
+        parts = zip(row["rebuild_lists_ms_repeats"], row["rebuild_tables_ms_repeats"])
+        assert row["rebuild_ms_repeats"] == pytest.approx([lists + tables for lists, tables in parts])
     # With answers of 8 tokens, a batch of 8 staggered requests sees one finish and one join per step.
     assert rows[-1]["joined_per_step"] == pytest.approx(1.0)
 
