@@ -390,8 +390,8 @@ class InputBatch:
 
         Rows are those of `req_id_to_index` now (condense has moved each row's bins with it).
         A request in `penalty_reqs_to_bin` joined since the last refresh, new or resumed: its
-        row may still hold the bins of the row's previous request, so both of its rows are
-        rebuilt: `prompt_mask[row]` True exactly at its prompt's tokens
+        row may still hold the bins of the row's previous request, so its row of each table
+        is rebuilt: `prompt_mask[row]` True exactly at its prompt's tokens
         (`token_ids_cpu[row, :num_prompt_tokens[row]]`), `output_bin_counts[row]` zero, and
         `num_counted_output_tokens[row]` zero. Then every row counts the output tokens it
         sampled since the last refresh (`req_output_token_ids[row]` past
