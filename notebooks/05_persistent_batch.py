@@ -259,3 +259,76 @@ print(
         },
     )
 )
+
+# %% [markdown]
+# ## Penalty state: the same argument on a [batch, vocab] table
+#
+# Repetition, frequency and presence penalties (chapter 01) read, for every row and every
+# token of the vocabulary, whether the prompt holds it and how often the row sampled it.
+# Rebuilt every step from the requests' token lists (as vLLM v0.11.0's sampler does), that
+# is O(batch x (prompt + output)) Python and copying, plus zeroing two [batch, vocab + 1]
+# int32 tables: at Qwen3's 151,936-token vocabulary and batch 256, 311 MB per step. The
+# persistent batch keeps the tables (`InputBatch.prompt_mask`, `InputBatch.output_bin_counts`)
+# and updates them from the diff (`InputBatch._update_penalty_bins`): a joining request's
+# prompt once, then one count per sampled token.
+#
+# Predict: the rebuild grows with batch x prompt length, the diff with the requests that
+# join (batch / 256 per step here, answers of 256 tokens) plus a fixed cost. Applying the
+# penalties, the same for both, is O(batch x vocab) and dwarfs both on a CPU.
+# `benchmarks/penalties.py` times both paths in the same run, checks every step that their
+# tables are equal, and repeats each measurement to show its spread.
+
+# %%
+from benchmarks import penalties  # noqa: E402 (this section's own import)
+
+penalty_report = penalties.run(torch.device(nb.DEVICE), smoke=SMOKE)
+penalty_rows = penalty_report["rows"]
+print(f"torch threads: {penalty_report['torch_num_threads']}; workload: {penalty_report['workload']}")
+
+# %%
+pB = np.array([r["batch_size"] for r in penalty_rows])
+fig, ax = plt.subplots(figsize=(8, 5))
+for path, marker, label in (
+    ("rebuild", "s-", "bins rebuilt every step from the token lists"),
+    ("diff", "o-", "bins updated by diff (remove, add, condense, count, refresh)"),
+    ("apply", "^:", "applying the penalties (the same for both paths)"),
+):
+    median = np.array([r[f"{path}_ms"] for r in penalty_rows])
+    spread = [median - [r[f"{path}_ms_min"] for r in penalty_rows], [r[f"{path}_ms_max"] for r in penalty_rows] - median]
+    ax.errorbar(pB, median, yerr=spread, fmt=marker, capsize=3, label=label)
+for r in penalty_rows:
+    ax.annotate(
+        f"{r['rebuild_over_diff']:.{0 if r['rebuild_over_diff'] >= 10 else 1}f}x", (r["batch_size"], r["rebuild_ms"]),
+        textcoords="offset points",
+        xytext=(0, 8), ha="center", fontsize=8,
+    )  # fmt: skip
+ax.set(
+    xscale="log", yscale="log", xlabel="decode batch size (requests)", ylabel="ms per decode step",
+    title=f"rebuilt / diff-updated annotated; median of {penalty_report['workload']['num_repeats']} repeats, "
+    "bars: min-max",
+)  # fmt: skip
+nb.tick_at([ax], list(pB))
+workload = penalty_report["workload"]
+nb.finish_figure(
+    fig,
+    f"penalty state per step{' (smoke)' if SMOKE else ''}: vocab {workload['vocab_size']:,}, prompts of "
+    f"{workload['prompt_len']} tokens, {penalty_report['torch_num_threads']} torch thread(s)",
+)
+plt.show()
+
+# %% [markdown]
+# ## Explain the gap
+#
+# The rebuild pays, every step, for turning every row's prompt and output lists into one
+# padded tensor ("lists" above) and scatter-adding it into freshly zeroed tables
+# ("tables"): it grows a little faster than the batch, and on a CPU the tables, new
+# memory every step, are most of it. The diff pays a fixed cost (the refresh also tells the logits processors
+# what changed) plus a prompt's bins per joining request and one indexed add for the
+# sampled tokens, so it grows far more slowly and the ratio widens with the batch. Both
+# are small next to applying the penalties, which reads and writes the whole [batch, vocab]
+# logits a few times: on a CPU that dominates the step, on a GPU it is a few bandwidth-bound
+# kernels while the rebuild's Python and host-to-device copies stay on the host.
+
+# %%
+print(nb.save_figure(fig, "05_penalties"))
+print(nb.save_data("05_penalties", penalty_report))

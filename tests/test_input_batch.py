@@ -84,7 +84,11 @@ def tokenized(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def random_params(rng: random.Random) -> SamplingParams:
+def random_params(rng: random.Random, penalties: bool = True) -> SamplingParams:
+    """Random parameters; without `penalties`, none of the three (the same draws otherwise)."""
+    logits_params = random_logits_params(rng)
+    if not penalties:
+        logits_params.update(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
     return tokenized(
         SamplingParams(
             temperature=rng.choice([0.0, 0.7, 1.0]),
@@ -93,7 +97,7 @@ def random_params(rng: random.Random) -> SamplingParams:
             seed=rng.choice([None, rng.randrange(1000)]),
             logprobs=rng.choice([None, None, 0, 3]),
             max_tokens=rng.randint(1, 12),
-            **random_logits_params(rng),
+            **logits_params,
         )
     )
 
@@ -169,8 +173,10 @@ class FakeScheduler:
         chunk: bool = True,
         prefix_hits: bool = True,
         max_requests: int = 60,
+        penalties: bool = True,
     ) -> None:
         self.rng = rng
+        self.penalties = penalties  # whether new requests may have penalties
         self.spawn, self.p_preempt, self.p_skip, self.chunk = spawn, p_preempt, p_skip, chunk
         # Fake prefix-cache hits: "computed" tokens whose blocks hold nothing. Only for runs
         # whose model does not read the KV cache.
@@ -225,7 +231,7 @@ class FakeScheduler:
                 self._free(r)
                 self.finished[r.req_id] = self.live.pop(r.req_id)
         if self.spawn and self.next_id < self.max_requests and rng.random() < 0.6:
-            self.add([rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], random_params(rng))
+            self.add([rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))], random_params(rng, self.penalties))
 
         budget, num_scheduled = BUDGET, {}
         cached, new_reqs = CachedRequestData(), []
@@ -369,11 +375,12 @@ def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: 
     assert metadata.all_random == all(expected_temperature)
 
 
-@pytest.mark.ch05_t2
+# ch05_t2's runs have no penalties: their bins are ch05_t3's, which a student writes after it.
+@pytest.mark.parametrize("penalties", [pytest.param(False, marks=pytest.mark.ch05_t2), True])
 @pytest.mark.parametrize("seed", range(6))
-def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed):
+def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed, penalties):
     rng = random.Random(seed)
-    sched = FakeScheduler(rng)
+    sched = FakeScheduler(rng, penalties=penalties)
     runner = GPUModelRunner(vllm_config, torch.device("cpu"))
     steps_with_preemption_resume = 0
     for _ in range(150):

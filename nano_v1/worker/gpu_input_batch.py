@@ -6,8 +6,13 @@ Why it exists: rebuilding the batch every step costs O(batch x context) Python w
 keeping each request in a fixed row of preallocated arrays and applying only the
 scheduler's diff (a new request, a finished one, a few new block ids) costs
 O(changes). The penalties' token bins follow the same rule: a row's prompt bins are
-written once when it joins, and each sampled token adds one count. Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
+written once, at the first refresh after it joins, and each sampled token adds one count.
+Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
 `[:num_reqs]` and handed to numpy or copied to the device in one piece.
+
+What differs from v0.11.0: the penalties' token bins live here (vLLM rebuilds them in the
+sampler every step), and they and the allowed-token mask (which vLLM allocates when the
+first request asks for one) are allocated with the batch, before the memory profile.
 """
 
 from __future__ import annotations
@@ -136,8 +141,9 @@ class InputBatch:
         self.top_p_reqs: set[str] = set()
         self.top_k_reqs: set[str] = set()
         # Penalty columns, and the rows' token bins: [max_num_reqs, vocab] on the device,
-        # allocated when the first request with a penalty joins and valid in such rows only.
-        # `num_counted_output_tokens[i]`: how many of row i's output tokens its bins count.
+        # valid in rows with a penalty only. `num_counted_output_tokens[i]`: how many of row
+        # i's output tokens its bins count. Every per-vocab table is allocated here, before the
+        # worker's profile run measures peak memory, so that the KV cache leaves room for it.
         self.presence_penalties = CpuGpuBuffer(
             max_num_reqs, dtype=torch.float32, device=device, pin_memory=pin_memory
         )
@@ -150,14 +156,15 @@ class InputBatch:
         self.presence_penalties_reqs: set[str] = set()
         self.frequency_penalties_reqs: set[str] = set()
         self.repetition_penalties_reqs: set[str] = set()
-        self.prompt_mask: torch.Tensor | None = None
-        self.output_bin_counts: torch.Tensor | None = None
+        self.prompt_mask = torch.zeros(max_num_reqs, vocab_size, dtype=torch.bool, device=device)
+        self.output_bin_counts = torch.zeros(max_num_reqs, vocab_size, dtype=torch.int32, device=device)
         self.num_counted_output_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Requests with a penalty that joined since the last refresh: their rows' bins are stale.
+        self.penalty_reqs_to_bin: set[str] = set()
         # Row -> the request's output token ids (its own list, which the runner extends).
         self.req_output_token_ids: list[list[int] | None] = []
-        # [max_num_reqs, vocab] bool on the device, True where a row may not sample; allocated
-        # when the first request with allowed_token_ids joins.
-        self.allowed_token_ids_mask: torch.Tensor | None = None
+        # [max_num_reqs, vocab] bool on the device, True where a row may not sample.
+        self.allowed_token_ids_mask = torch.zeros(max_num_reqs, vocab_size, dtype=torch.bool, device=device)
         self.has_allowed_token_ids: set[str] = set()
         # Row -> bad words as token id sequences.
         self.bad_words_token_ids: dict[int, list[list[int]]] = {}
@@ -252,13 +259,9 @@ class InputBatch:
         self._add_penalties(req_index, request)
         if params.allowed_token_ids:
             self.has_allowed_token_ids.add(req_id)
-            if self.allowed_token_ids_mask is None:
-                self.allowed_token_ids_mask = torch.zeros(
-                    self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device
-                )
             self.allowed_token_ids_mask[req_index] = True
             self.allowed_token_ids_mask[req_index, params.allowed_token_ids] = False
-        elif self.allowed_token_ids_mask is not None:
+        else:
             self.allowed_token_ids_mask[req_index] = False
         if params.bad_words_token_ids:
             self.bad_words_token_ids[req_index] = params.bad_words_token_ids
@@ -273,7 +276,7 @@ class InputBatch:
         return req_index
 
     def _add_penalties(self, req_index: int, request: CachedRequestState) -> None:
-        """Write the row's penalties and, if it has any, its bins: prompt tokens, output so far."""
+        """Write the row's penalty columns; if it has a penalty, its bins are rebuilt at the next refresh."""
         params = request.sampling_params
         req_id = request.req_id
         self.presence_penalties.np[req_index] = params.presence_penalty
@@ -285,16 +288,8 @@ class InputBatch:
             self.frequency_penalties_reqs.add(req_id)
         if params.repetition_penalty != 1.0:
             self.repetition_penalties_reqs.add(req_id)
-        if not self._has_penalties(req_id):
-            return
-        if self.prompt_mask is None:
-            shape = (self.max_num_reqs, self.vocab_size)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-            self.output_bin_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.prompt_mask[req_index] = False
-        self.prompt_mask[req_index, request.prompt_token_ids] = True
-        self.output_bin_counts[req_index] = 0
-        self.num_counted_output_tokens[req_index] = 0  # refresh_metadata counts the output
+        if self._has_penalties(req_id):
+            self.penalty_reqs_to_bin.add(req_id)
 
     def remove_request(self, req_id: str) -> int | None:
         """Leave a hole where `req_id` was; return its row (None if it was not here).
@@ -313,6 +308,7 @@ class InputBatch:
         self.presence_penalties_reqs.discard(req_id)
         self.frequency_penalties_reqs.discard(req_id)
         self.repetition_penalties_reqs.discard(req_id)
+        self.penalty_reqs_to_bin.discard(req_id)
         self.has_allowed_token_ids.discard(req_id)
         self.bad_words_token_ids.pop(req_index, None)
         self.req_output_token_ids[req_index] = None
@@ -359,11 +355,10 @@ class InputBatch:
         bad_words = self.bad_words_token_ids.pop(src, None)
         if bad_words is not None:
             self.bad_words_token_ids[tgt] = bad_words
-        if self.prompt_mask is not None and self._has_penalties(req_id):
+        if self._has_penalties(req_id) and req_id not in self.penalty_reqs_to_bin:
             self.prompt_mask[tgt] = self.prompt_mask[src]
             self.output_bin_counts[tgt] = self.output_bin_counts[src]
-        if self.allowed_token_ids_mask is not None:
-            self.allowed_token_ids_mask[tgt] = self.allowed_token_ids_mask[src]
+        self.allowed_token_ids_mask[tgt] = self.allowed_token_ids_mask[src]
         self._moved.append((src, tgt, MoveDirectionality.UNIDIRECTIONAL))
 
     # ------------------------------------------------------------------ sampling
@@ -396,8 +391,21 @@ class InputBatch:
             or req_id in self.repetition_penalties_reqs
         )
 
-    def _count_new_output_tokens(self) -> None:
-        """Add the output tokens sampled since the last step to the bins of rows with penalties."""
+    def _update_penalty_bins(self) -> None:
+        """Bring the token bins of every row with a penalty up to date, from the batch's diff.
+
+        Rows are those of `req_id_to_index` now (condense has moved each row's bins with it).
+        A request in `penalty_reqs_to_bin` joined since the last refresh, new or resumed: its
+        row may still hold the bins of the row's previous request, so its row of each table
+        is rebuilt: `prompt_mask[row]` True exactly at its prompt's tokens
+        (`token_ids_cpu[row, :num_prompt_tokens[row]]`), `output_bin_counts[row]` zero, and
+        `num_counted_output_tokens[row]` zero. Then every row counts the output tokens it
+        sampled since the last refresh (`req_output_token_ids[row]` past
+        `num_counted_output_tokens[row]`, one or several: a resumed request brings all its
+        earlier ones, and the same token may come twice), each exactly once, with one
+        indexed add for the whole batch, and records how many it has counted.
+        """
+        # BEGIN TASK ch05_t3: rebuild the bins of rows that joined; count each row's new output tokens exactly once
         rows: list[int] = []
         token_ids: list[int] = []
         penalized = (
@@ -405,15 +413,23 @@ class InputBatch:
         )
         for req_id in penalized:
             row = self.req_id_to_index[req_id]
+            if req_id in self.penalty_reqs_to_bin:
+                prompt = self.token_ids_cpu_tensor[row, : self.num_prompt_tokens[row]]
+                self.prompt_mask[row] = False
+                self.prompt_mask[row, prompt.to(self.device, torch.int64)] = True
+                self.output_bin_counts[row] = 0
+                self.num_counted_output_tokens[row] = 0
             output = self.req_output_token_ids[row]
             new = output[self.num_counted_output_tokens[row] :]
             rows += [row] * len(new)
             token_ids += new
             self.num_counted_output_tokens[row] = len(output)
+        self.penalty_reqs_to_bin.clear()
         if rows:
             index = (torch.tensor(rows, device=self.device), torch.tensor(token_ids, device=self.device))
             ones = torch.ones(len(rows), dtype=torch.int32, device=self.device)
             self.output_bin_counts.index_put_(index, ones, accumulate=True)
+        # END TASK
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -430,7 +446,7 @@ class InputBatch:
         for processor in self.logitsprocs:
             processor.update_state(batch_update)
         if not self.no_penalties:
-            self._count_new_output_tokens()
+            self._update_penalty_bins()
         if batch_update is not None:
             self.sampling_metadata = self._make_sampling_metadata()
 

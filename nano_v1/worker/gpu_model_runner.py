@@ -985,6 +985,9 @@ class GPUModelRunner:
         block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
         if block_sizes != [self.block_size]:
             assert not self.requests, "the persistent batch is rebuilt before any request arrives"
+            # The old batch's per-vocab tables go back to the allocator first, for the new
+            # batch's to reuse: the memory profile counted one batch, not two.
+            del self.input_batch
             self.input_batch = self._make_input_batch(block_sizes)
 
     def _allocate_kv_cache_tensors(self, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:

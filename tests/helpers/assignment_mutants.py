@@ -1085,4 +1085,74 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="if self.scheduler.has_unfinished_requests():",
         ),
     ],
+    "ch01_t3": [
+        Mutant(
+            "repetition_divides_every_logit",
+            "divides a negative logit by the repetition penalty too, which makes a seen token more likely",
+            old="logits.copy_(torch.where(logits > 0, logits / scale, logits * scale))",
+            new="logits.copy_(logits / scale)",
+        ),
+        Mutant(
+            "repetition_on_output_only",
+            "applies the repetition penalty to output tokens only, forgetting the prompt's",
+            old="seen = prompt_mask | output_mask",
+            new="seen = output_mask",
+        ),
+        Mutant(
+            "frequency_counts_the_prompt",
+            "counts a prompt token once more for the frequency penalty",
+            old="logits -= frequency_penalties.unsqueeze(1) * output_bin_counts",
+            new="logits -= frequency_penalties.unsqueeze(1) * (output_bin_counts + prompt_mask)",
+        ),
+        Mutant(
+            "presence_per_count",
+            "subtracts the presence penalty once per time the token was sampled, not once",
+            old="logits -= presence_penalties.unsqueeze(1) * output_mask",
+            new="logits -= presence_penalties.unsqueeze(1) * output_bin_counts",
+        ),
+        Mutant(
+            "repetition_on_every_token",
+            "applies the repetition penalty to tokens the row has never seen",
+            old="scale = torch.where(seen, repetition, 1.0)",
+            new="scale = repetition",
+        ),
+    ],
+    "ch05_t3": [
+        Mutant(
+            "keeps_the_previous_prompt",
+            "writes a joining row's prompt tokens without clearing those of the row's previous request",
+            old="                self.prompt_mask[row] = False\n",
+            new="",
+        ),
+        Mutant(
+            "keeps_the_previous_counts",
+            "leaves the counts of the row's previous request in a joining row",
+            old="                self.output_bin_counts[row] = 0\n",
+            new="",
+        ),
+        Mutant(
+            "counts_only_the_last_token",
+            "counts the last output token at every refresh, whether new or not, and only it",
+            old="new = output[self.num_counted_output_tokens[row] :]",
+            new="new = output[-1:]",
+        ),
+        Mutant(
+            "recounts_the_whole_output",
+            "never records what it has counted, so every refresh counts the whole output again",
+            old="            self.num_counted_output_tokens[row] = len(output)\n",
+            new="",
+        ),
+        Mutant(
+            "same_token_twice_counted_once",
+            "writes instead of adding, so a token that came twice since the last refresh counts once",
+            old="self.output_bin_counts.index_put_(index, ones, accumulate=True)",
+            new="self.output_bin_counts.index_put_(index, ones, accumulate=False)",
+        ),
+        Mutant(
+            "counter_not_reset_on_join",
+            "keeps the counter of the row's previous request, so a joining request's first tokens go uncounted",
+            old="                self.num_counted_output_tokens[row] = 0\n",
+            new="",
+        ),
+    ],
 }
