@@ -27,7 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("async_bench") / "async.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
     subprocess.run(
         [sys.executable, "-m", "benchmarks.async_scheduling", "--smoke", "--out", str(out)],
         cwd=REPO_ROOT, env=env, check=True, timeout=180,
@@ -53,9 +56,9 @@ def test_simulated_device_rows_are_consistent(report):
     assert [r["device_ms"] for r in sim["rows"]] == sorted({r["device_ms"] for r in sim["rows"]})
     for row in sim["rows"]:
         t = row["device_ms"]
-        assert row["sync_ms_min"] >= t, row
-        assert row["sync_ms_min"] <= row["sync_ms"] <= row["sync_ms_max"], row
-        assert row["async_ms_min"] <= row["async_ms"] <= row["async_ms_max"], row
+        assert row["sync_ms"] >= t, row  # the fastest repeat
+        assert row["sync_ms"] <= row["sync_ms_median"] <= row["sync_ms_max"], row
+        assert row["async_ms"] <= row["async_ms_median"] <= row["async_ms_max"], row
         assert row["host_plus_device_ms"] == pytest.approx(host + t)
         assert row["max_host_device_ms"] == pytest.approx(max(host, t))
         assert row["async_over_max"] == pytest.approx(row["async_ms"] / row["max_host_device_ms"])
@@ -75,6 +78,7 @@ def test_host_vs_roofline_predictions_follow_from_the_host(report):
     for row in hr["rows"]:
         host, device = row["host_ms"], row["h200_forward_ms"]
         assert device > 0 and host > 0
+        assert host <= row["host_ms_median"] <= row["host_ms_max"]
         assert row["sync_step_ms"] == pytest.approx(host + device)
         assert row["async_step_ms"] == pytest.approx(max(host, device))
         assert row["sync_tokens_per_s"] == pytest.approx(row["batch_size"] / row["sync_step_ms"] * 1e3)
