@@ -72,9 +72,10 @@ NOTEBOOKS = (
     "11_multimodal",
     "12_hybrid_kv_cache",
     "13_tensor_parallel",
+    "14_async_scheduling",
 )
-# Packages a notebook needs beyond the GPU image's: 09 starts engine-core processes (ZMQ, msgpack).
-NOTEBOOK_NEEDS = {"09_processes": ("zmq", "msgspec")}
+# Packages a notebook needs beyond the GPU image's: 09 and 14 start engine-core processes (ZMQ, msgpack).
+NOTEBOOK_NEEDS = {"09_processes": ("zmq", "msgspec"), "14_async_scheduling": ("zmq", "msgspec")}
 NOTEBOOK_CAP_S = 60.0  # one notebook at smoke sizes: start-up, compiled engines, its own sweeps
 
 
