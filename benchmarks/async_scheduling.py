@@ -48,7 +48,7 @@ from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine import EngineCoreRequest
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.engine.core import EngineCore
-from nano_v1.outputs import ModelRunnerOutput
+from nano_v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.worker.gpu_worker import Worker
 
@@ -109,36 +109,33 @@ class SimulatedDevice(nn.Module):
         )
 
 
-class DeviceResult:
-    """A step's output whose tokens the simulated device has not finished: it can be sent (pickled)
-    only once the device is done with the step, as the sampled tokens' copy to the host must
-    finish before v0.11.0's worker sends them (`AsyncGPUModelRunnerOutput.get_output`).
+class DeviceResult(AsyncModelRunnerOutput):
+    """A step's output whose tokens the simulated device has not finished: `get_output` waits
+    for the device, as v0.11.0's waits for the sampled tokens' copy to the host
+    (`AsyncGPUModelRunnerOutput.get_output`) before the worker sends them.
 
-    Synchronous scheduling sends from the worker's busy loop, which thus waits for the device
+    The worker calls `get_output` where it sends the answer (`WorkerProc.enqueue_output`):
+    synchronous scheduling sends from the worker's busy loop, which thus waits for the device
     before it takes the next step; asynchronous scheduling sends from the output thread
     (`WorkerProc.async_output_busy_loop`), and the busy loop prepares the next step meanwhile.
-    The engine core receives the plain output.
     """
 
-    def __init__(self, output: ModelRunnerOutput, device: SimulatedDevice) -> None:
+    def __init__(self, output: ModelRunnerOutput | AsyncModelRunnerOutput, device: SimulatedDevice) -> None:
         self.output, self.device, self.ready_at = output, device, device.busy_until
 
-    def __reduce__(self) -> tuple[Callable[[ModelRunnerOutput], ModelRunnerOutput], tuple[ModelRunnerOutput]]:
+    def get_output(self) -> ModelRunnerOutput:
         start = time.perf_counter()
         if self.ready_at > start:
             time.sleep(self.ready_at - start)
         self.device.waited_s.append(time.perf_counter() - start)
-        return _plain_output, (self.output,)
-
-
-def _plain_output(output: ModelRunnerOutput) -> ModelRunnerOutput:
-    return output
+        output = self.output
+        return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
 
 
 def _execute_on_device(
-    execute_model: Callable[[SchedulerOutput], ModelRunnerOutput], device: SimulatedDevice,
-    scheduler_output: SchedulerOutput,
-) -> ModelRunnerOutput | DeviceResult:  # fmt: skip
+    execute_model: Callable[[SchedulerOutput], ModelRunnerOutput | AsyncModelRunnerOutput],
+    device: SimulatedDevice, scheduler_output: SchedulerOutput,
+) -> ModelRunnerOutput | AsyncModelRunnerOutput:  # fmt: skip
     output = execute_model(scheduler_output)
     return DeviceResult(output, device) if scheduler_output.total_num_scheduled_tokens else output
 
