@@ -67,6 +67,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens and the top `prompt_logprobs` at each prompt position;
+    # -1 asks for the whole vocabulary.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -148,6 +151,10 @@ class SamplingParams:
             f"logprobs must be an integer >= 0, got {self.logprobs!r}.",
         )
         check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= -1),
+            f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs!r}.",
+        )
+        check(
             all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a non-empty string or a list of them, got {self.stop!r}.",
         )
@@ -177,7 +184,7 @@ class SamplingParams:
             and all(isinstance(w, str) and w.strip() for w in self.bad_words),
             f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.",
         )
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(
                 value is None or _INT64_MIN <= value <= _INT64_MAX,

@@ -8,6 +8,11 @@ scheduler's diff (a new request, a finished one, a few new block ids) costs
 O(changes). The penalties' token bins follow the same rule: a row's prompt bins are
 written once when it joins, and each sampled token adds one count. Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
 `[:num_reqs]` and handed to numpy or copied to the device in one piece.
+
+What differs from v0.11.0: `remove_request` keeps a request's prompt-logprob state
+(`num_prompt_logprobs`, `in_progress_prompt_logprobs_cpu`); v0.11.0 drops it there, so a
+request left unscheduled for a step in the middle of its prefill would lose the prompt
+logprobs of its earlier chunks. The runner drops it when the request finishes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from nano_v1.core.sched.output import NewRequestData
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
+from nano_v1.outputs import LogprobsTensors
 from nano_v1.sample.logits_processor import (
     BatchUpdate,
     LogitBiasLogitsProcessor,
@@ -163,6 +169,11 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # Request id -> number of top logprobs it wants.
         self.num_logprobs: dict[str, int] = {}
+        # Request id -> number of top prompt logprobs it wants, for those whose prefill is
+        # still to complete; and the prompt logprobs of its chunks so far (chapter 01). Not
+        # touched by remove_request: an unscheduled request keeps them for when it returns.
+        self.num_prompt_logprobs: dict[str, int] = {}
+        self.in_progress_prompt_logprobs_cpu: dict[str, LogprobsTensors] = {}
         # Requests the proposer must not draft for (chapter 10): those that want logprobs
         # (drafts would need them at every position) or min_tokens (the stop mask too).
         self.spec_decode_unsupported_reqs: set[str] = set()
@@ -259,6 +270,11 @@ class InputBatch:
         if params.logprobs is not None:
             # Asking for more than the vocabulary returns the whole vocabulary.
             self.num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
+        if params.prompt_logprobs is not None and not request.output_token_ids:
+            # Once it has output, its prompt logprobs were sent: a resumed request's are not recomputed.
+            self.num_prompt_logprobs[req_id] = (
+                self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            )
         if params.logprobs is not None or params.min_tokens > 0 or _shapes_logits(params):
             self.spec_decode_unsupported_reqs.add(req_id)
         if req_index in self._removed:
