@@ -86,12 +86,12 @@ def test_prompt_logprobs_equal_transformers_across_chunked_prefill(llm, hf_logpr
 
 
 def test_prompt_logprobs_of_a_one_token_prompt_and_of_a_prompt_ending_a_chunk(llm, hf_logprobs):
-    """A one-token prompt has only the None; a 17-token prompt's first chunk computes all 16 of
-    its prompt logprobs, which wait for the step that samples."""
+    """A one-token prompt has only the None; a 17-token prompt's first chunk (the whole 16-token
+    budget) computes all 16 of its prompt logprobs, which wait for the step that samples."""
     one, seventeen = [42], [(3 * i + 8) % 500 + 3 for i in range(MAX_NUM_BATCHED_TOKENS + 1)]
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
-    out_one, out_seventeen = llm.generate(
-        [{"prompt_token_ids": one}, {"prompt_token_ids": seventeen}], params, use_tqdm=False
+    out_seventeen, out_one = llm.generate(
+        [{"prompt_token_ids": seventeen}, {"prompt_token_ids": one}], params, use_tqdm=False
     )
     assert out_one.prompt_logprobs == [None]
     assert_prompt_logprobs_equal_hf(out_seventeen.prompt_logprobs, seventeen, 3, hf_logprobs(seventeen))
