@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nano_v1 import LLM, SamplingParams
+from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from nano_v1.engine.llm_engine import fan_out
 from nano_v1.engine.output_processor import OutputProcessor
@@ -198,3 +199,42 @@ def test_prompt_logprobs_tensors_cross_the_engine_core_wire():
     got = received.new_prompt_logprobs_tensors
     for name in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
         assert torch.equal(getattr(got, name), getattr(tensors, name)), name
+
+
+
+def test_prompt_logprobs_of_preempted_requests(tiny_qwen3, hf_logprobs, monkeypatch):
+    """A KV cache too small for the batch: requests are preempted, in prefill and after it, and
+    compute their prompt again; each output still has its prompt logprobs once, whole and right."""
+    in_prefill = []  # per preemption: was the victim still in its prefill?
+    original = Scheduler._preempt
+    monkeypatch.setattr(
+        Scheduler,
+        "_preempt",
+        lambda self, req: (in_prefill.append(req.num_computed_tokens < req.num_prompt_tokens), original(self, req)),
+    )
+    llm = LLM(
+        tiny_qwen3,
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=6,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_model_len=96,
+        num_gpu_blocks_override=12,
+    )
+    prompts = [[(31 * i + 7 * r) % 500 + 3 for i in range(20 + 9 * r)] for r in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert set(in_prefill) == {True, False}, "the cache was meant to preempt prefills and decodes"
+    for prompt, output in zip(prompts, outputs):
+        assert_prompt_logprobs_equal_hf(output.prompt_logprobs, prompt, 2, hf_logprobs(prompt))
+
+
+def test_server_clamps_minus_infinity_in_prompt_logprobs():
+    """JSON has no infinity: the server answers -inf as -9999.0, as vLLM (`clamp_prompt_logprobs`)."""
+    pytest.importorskip("fastapi")
+    from nano_v1.entrypoints.openai.serving_engine import _clamp_prompt_logprobs
+
+    original = [None, {3: Logprob(float("-inf"), 512, "x"), 4: Logprob(-0.5, 1, "y")}]
+    assert _clamp_prompt_logprobs(original) == [None, {3: Logprob(-9999.0, 512, "x"), 4: Logprob(-0.5, 1, "y")}]
+    assert original[1][3].logprob == float("-inf")  # the engine's output is left as it was
+    assert _clamp_prompt_logprobs(None) is None

@@ -8,11 +8,6 @@ scheduler's diff (a new request, a finished one, a few new block ids) costs
 O(changes). The penalties' token bins follow the same rule: a row's prompt bins are
 written once when it joins, and each sampled token adds one count. Rows stay dense (`0 .. num_reqs-1`) so that every column can be sliced
 `[:num_reqs]` and handed to numpy or copied to the device in one piece.
-
-What differs from v0.11.0: `remove_request` keeps a request's prompt-logprob state
-(`num_prompt_logprobs`, `in_progress_prompt_logprobs_cpu`); v0.11.0 drops it there, so a
-request left unscheduled for a step in the middle of its prefill would lose the prompt
-logprobs of its earlier chunks. The runner drops it when the request finishes.
 """
 
 from __future__ import annotations
@@ -170,8 +165,9 @@ class InputBatch:
         # Request id -> number of top logprobs it wants.
         self.num_logprobs: dict[str, int] = {}
         # Request id -> number of top prompt logprobs it wants, for those whose prefill is
-        # still to complete; and the prompt logprobs of its chunks so far (chapter 01). Not
-        # touched by remove_request: an unscheduled request keeps them for when it returns.
+        # still to complete; and the prompt logprobs of its chunks so far (chapter 01). A
+        # request that leaves the batch before its prefill completes was preempted: it
+        # computes its prompt again from the start, logprobs included.
         self.num_prompt_logprobs: dict[str, int] = {}
         self.in_progress_prompt_logprobs_cpu: dict[str, LogprobsTensors] = {}
         # Requests the proposer must not draft for (chapter 10): those that want logprobs
@@ -270,8 +266,7 @@ class InputBatch:
         if params.logprobs is not None:
             # Asking for more than the vocabulary returns the whole vocabulary.
             self.num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
-        if params.prompt_logprobs is not None and not request.output_token_ids:
-            # Once it has output, its prompt logprobs were sent: a resumed request's are not recomputed.
+        if params.prompt_logprobs is not None:
             self.num_prompt_logprobs[req_id] = (
                 self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
             )
@@ -327,6 +322,8 @@ class InputBatch:
         self.bad_words_token_ids.pop(req_index, None)
         self.req_output_token_ids[req_index] = None
         self.num_logprobs.pop(req_id, None)
+        self.num_prompt_logprobs.pop(req_id, None)
+        self.in_progress_prompt_logprobs_cpu.pop(req_id, None)
         self.spec_decode_unsupported_reqs.discard(req_id)
         # Added since the last refresh: the processors must not hear of it at all.
         self._added = [added for added in self._added if added[0] != req_index]

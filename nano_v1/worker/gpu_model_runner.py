@@ -164,9 +164,6 @@ class GPUModelRunner:
         removed_req_indices: list[int] = []
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-            # Finished (or aborted) before its prefill completed: its prompt logprobs go too.
-            input_batch.num_prompt_logprobs.pop(req_id, None)
-            input_batch.in_progress_prompt_logprobs_cpu.pop(req_id, None)
             req_index = input_batch.remove_request(req_id)
             if req_index is not None:
                 removed_req_indices.append(req_index)
@@ -574,9 +571,7 @@ class GPUModelRunner:
         prompt_logprobs_dict: dict[str, LogprobsTensors | None] = {}
         completed_prefill_reqs: list[str] = []
         for req_id, num_prompt_logprobs in num_prompt_logprobs_dict.items():
-            num_tokens = num_scheduled_tokens.get(req_id)
-            if num_tokens is None:
-                continue  # out of the batch this step (preempted or skipped)
+            num_tokens = num_scheduled_tokens[req_id]  # every batch member is scheduled
             request = self.requests[req_id]
             num_prompt_tokens = len(request.prompt_token_ids)
             logprobs_tensors = in_progress_dict.get(req_id)
