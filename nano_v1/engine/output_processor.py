@@ -10,6 +10,11 @@ string found here finishes the request, and the caller tells the core to abort i
 
 `n > 1` is fanned out here too: the core only ever sees independent requests
 (`"{index}_{request_id}"`); a parent gathers their completions into one output.
+
+What differs from v0.11.0: no `LogprobsProcessor` per request (vllm/v1/engine/logprobs.py).
+Sample logprobs stay the core's `{token_id: logprob}` dicts; prompt logprobs become
+`Logprob` dicts once per parent (`OutputProcessor._update_prompt_logprobs`), from the
+first child whose prefill completes, where v0.11.0 keeps a copy per child.
 """
 
 from __future__ import annotations
