@@ -229,6 +229,20 @@ def test_prompt_logprobs_of_preempted_requests(tiny_qwen3, hf_logprobs, monkeypa
         assert_prompt_logprobs_equal_hf(output.prompt_logprobs, prompt, 2, hf_logprobs(prompt))
 
 
+def test_prompt_logprobs_under_async_scheduling(tiny_qwen3, hf_logprobs):
+    """Chapter 14's overlapped steps: the runner's output still carries each prompt's logprobs."""
+    llm = LLM(
+        tiny_qwen3,
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        async_scheduling=True,
+    )
+    prompts = [[(7 * i + 3 + r) % 509 + 3 for i in range(20 + 13 * r)] for r in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert_prompt_logprobs_equal_hf(output.prompt_logprobs, prompt, 2, hf_logprobs(prompt))
 def test_server_clamps_minus_infinity_in_prompt_logprobs():
     """JSON has no infinity: the server answers -inf as -9999.0, as vLLM (`clamp_prompt_logprobs`)."""
     pytest.importorskip("fastapi")
