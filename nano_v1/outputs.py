@@ -2,18 +2,56 @@
 
 Mirrors two vLLM files (chapters 01 and 04):
 - vllm/v1/outputs.py: `ModelRunnerOutput`, what the model runner hands back to the
-  scheduler after one step, and `AsyncModelRunnerOutput`, the same output still on its
-  way from the device (async scheduling, chapter 14);
+  scheduler after one step, `AsyncModelRunnerOutput`, the same output still on its
+  way from the device (async scheduling, chapter 14), and `LogprobsTensors`, the logprobs in it;
 - vllm/outputs.py: `RequestOutput` / `CompletionOutput`, what `LLM.generate` returns.
+
+What differs from v0.11.0: `LogprobsTensors` is a dataclass (msgspec sends it to the
+frontend by its type hints, chapter 09), not a NamedTuple, and `tolists` builds the
+sample logprobs' `{token_id: logprob}` dicts directly.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+
+from nano_v1.logprobs import PromptLogprobs
 
 
 # ---------------------------------------------------------------- worker side (vllm/v1/outputs.py)
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Per row (a request's sampled token, or a prompt position): the row's token first, then
+    the top `num_logprobs` tokens; and the row's token's rank in the vocabulary (1: the most likely)."""
+
+    logprob_token_ids: torch.Tensor  # [num_rows, 1 + num_logprobs] integer
+    logprobs: torch.Tensor  # [num_rows, 1 + num_logprobs] float32
+    selected_token_ranks: torch.Tensor  # [num_rows] integer
+
+    def tolists(self, num_logprobs: list[int | None]) -> list[list[dict[int, float]]]:
+        """Per row: [{token_id: logprob}] of the sampled token and the row's own top `num_logprobs[row]`
+        ([] where that is None: the row asked for none, or its sample was discarded)."""
+        token_ids = self.logprob_token_ids.tolist()
+        logprobs = self.logprobs.tolist()
+        return [
+            [] if n is None else [dict(zip(ids[: 1 + n], values[: 1 + n]))]
+            for ids, values, n in zip(token_ids, logprobs, num_logprobs)
+        ]
+
+    @staticmethod
+    def empty_cpu(num_positions: int, num_tokens_per_position: int) -> LogprobsTensors:
+        """Uninitialised host tensors for a whole prompt, which a chunked prefill fills chunk by chunk."""
+        logprob_token_ids = torch.empty((num_positions, num_tokens_per_position), dtype=torch.int32)
+        return LogprobsTensors(
+            logprob_token_ids=logprob_token_ids,
+            logprobs=torch.empty_like(logprob_token_ids, dtype=torch.float32),
+            selected_token_ranks=torch.empty(num_positions, dtype=torch.int32),
+        )
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One step's results, indexed like the persistent batch.
@@ -30,6 +68,9 @@ class ModelRunnerOutput:
     # Per request, per sampled token: {token_id: logprob} for the top `logprobs`
     # tokens plus the sampled one. None when no request asked for logprobs.
     logprobs: list[list[dict[int, float]]] | None = None
+    # Request id -> its whole prompt's logprobs, for each request asking for them whose
+    # prefill completed this step (position i predicts prompt token i + 1).
+    prompt_logprobs_dict: dict[str, LogprobsTensors | None] = field(default_factory=dict)
 
 
 class AsyncModelRunnerOutput(ABC):
@@ -100,3 +141,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With `SamplingParams.prompt_logprobs`: per prompt token, its logprob and the top ones
+    # (None for the first token); else None. A DELTA stream has them in one output only.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -69,6 +69,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens and the top `prompt_logprobs` at each prompt position;
+    # -1 asks for the whole vocabulary.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # False: no text at all, token ids only (then no stop strings either: they match text).
     detokenize: bool = True
@@ -159,6 +162,10 @@ class SamplingParams:
             f"logprobs must be an integer >= 0, got {self.logprobs!r}.",
         )
         check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= -1),
+            f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs!r}.",
+        )
+        check(
             all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a non-empty string or a list of them, got {self.stop!r}.",
         )
@@ -205,7 +212,7 @@ class SamplingParams:
             or (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)),
             f"extra_args must be a dict with string keys, got {self.extra_args!r}.",
         )
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "truncate_prompt_tokens"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
             check(
                 value is None or _INT64_MIN <= value <= _INT64_MAX,

@@ -26,7 +26,7 @@ from nano_v1.config.utils import CONFIG, CONFIG_FIELD, get_attr_docs
 from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.forward_context import BatchDescriptor
-from nano_v1.sample.sampler import LogprobsTensors
+from nano_v1.outputs import LogprobsTensors
 from nano_v1.spec_decode.metadata import calc_spec_decode_metadata
 
 pytestmark = pytest.mark.ch01
@@ -213,6 +213,7 @@ def test_logprobs_tensors_tolists_keeps_each_rows_width():
     tensors = LogprobsTensors(
         logprob_token_ids=torch.tensor([[5, 1, 2, 3], [7, 7, 4, 0], [9, 8, 6, 5]]),
         logprobs=torch.tensor([[-0.5, -0.1, -0.2, -0.3], [-0.7, -0.7, -1.0, -2.0], [-3.0, -0.1, -0.2, -0.4]]),
+        selected_token_ranks=torch.tensor([5, 1, 9]),
     )
     # Row 0 asked for 2 top logprobs, row 1 for none (or its sample was discarded), row 2 for 3.
     assert tensors.tolists([2, None, 3]) == [

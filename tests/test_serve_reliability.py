@@ -269,6 +269,66 @@ def test_completion_logprobs_equal_offline(server, offline):
     assert [o for chunk in streamed for o in chunk.text_offset] == logprobs.text_offset
 
 
+def test_completion_echo_and_prompt_logprobs_equal_offline(server, offline):
+    """`echo` puts the prompt before the text and, with logprobs, the prompt tokens' logprobs (the
+    first null) before the sampled ones', whole and streamed (the prompt in the first chunk);
+    `prompt_logprobs` come on the choice as `RequestOutput.prompt_logprobs`, and on a chat response."""
+    prompt = "def add(a, b):\n"
+    (expected,) = offline.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, prompt_logprobs=2), use_tqdm=False
+    )
+    completion = expected.outputs[0]
+    tokenizer = offline.get_tokenizer()
+    ids = expected.prompt_token_ids + completion.token_ids
+    token_logprobs = [None] + [
+        p[t].logprob for t, p in zip(expected.prompt_token_ids[1:], expected.prompt_logprobs[1:])
+    ] + [p[t] for t, p in zip(completion.token_ids, completion.logprobs)]
+    client = server.client()
+    kwargs = dict(model="demo", prompt=prompt, max_tokens=5, temperature=0.0, logprobs=2, echo=True)
+    choice = client.completions.create(**kwargs).choices[0]
+    assert choice.text == prompt + completion.text
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+    assert choice.logprobs.token_logprobs == pytest.approx(token_logprobs, abs=1e-4)
+    assert choice.logprobs.top_logprobs[0] is None
+    assert [len(top) for top in choice.logprobs.top_logprobs[1:]] == [
+        len(p) for p in expected.prompt_logprobs[1:] + completion.logprobs
+    ]
+    assert choice.logprobs.text_offset == [sum(map(len, choice.logprobs.tokens[:i])) for i in range(len(ids))]
+    # echo with logprobs asks for prompt logprobs: vLLM returns them on the choice too.
+    got = choice.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for position, want in zip(got[1:], expected.prompt_logprobs[1:]):
+        assert {int(t) for t in position} == set(want)
+        for t, lp in want.items():
+            entry = position[str(t)]
+            assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-4) and entry["rank"] == lp.rank
+            assert entry["decoded_token"] == tokenizer.decode([t])
+
+    chunks = [c for chunk in client.completions.create(**kwargs, stream=True) for c in chunk.choices]
+    assert chunks[0].text.startswith(prompt)
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == pytest.approx(token_logprobs, abs=1e-4)
+    assert [o for c in chunks for o in c.logprobs.text_offset] == choice.logprobs.text_offset
+
+    # Token ids in, the prompt decoded; prompt_logprobs without echo leave the text alone.
+    by_ids = client.completions.create(
+        model="demo", prompt=expected.prompt_token_ids, max_tokens=5, temperature=0.0, echo=True
+    ).choices[0]
+    assert by_ids.text == tokenizer.decode(expected.prompt_token_ids) + completion.text
+    plain = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=5, temperature=0.0, extra_body={"prompt_logprobs": 0}
+    ).choices[0]
+    assert plain.text == completion.text and plain.logprobs is None
+    assert [None if p is None else len(p) for p in plain.model_extra["prompt_logprobs"]][:2] == [None, 1]
+
+    messages = [{"role": "user", "content": "sort a list"}]
+    chat = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=2, temperature=0.0, extra_body={"prompt_logprobs": 1}
+    )
+    chat_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert len(chat.model_extra["prompt_logprobs"]) == len(tokenizer.encode(chat_prompt, add_special_tokens=False))
+
+
 def test_penalties_bias_and_vllm_extras_equal_offline(server, offline):
     """OpenAI's penalties and logit_bias, and vLLM's extras, reach the engine as `SamplingParams`
     would offline: greedy, and seeded sampling (where min_p and top_k matter too)."""
@@ -502,7 +562,23 @@ BAD_REQUESTS = {
         400,
         "top_logprobs",
     ),
-    "echo": ("POST", "/v1/completions", completion(echo=True), 400, "echo"),
+    "prompt-logprobs-21": ("POST", "/v1/completions", completion(prompt_logprobs=21), 400, "prompt logprobs of 21"),
+    "chat-prompt-logprobs-whole-vocabulary": (
+        "POST",
+        "/v1/chat/completions",
+        chat(prompt_logprobs=-1),
+        400,
+        "prompt logprobs of",
+    ),
+    "prompt-logprobs-negative": ("POST", "/v1/completions", completion(prompt_logprobs=-2), 400, "prompt_logprobs"),
+    "prompt-logprobs-streamed": (
+        "POST",
+        "/v1/completions",
+        completion(prompt_logprobs=1, stream=True),
+        400,
+        "prompt_logprobs",
+    ),
+    "echo-logprobs-21": ("POST", "/v1/completions", completion(echo=True, logprobs=21), 400, "max allowed: 20"),
     "best-of": ("POST", "/v1/completions", completion(best_of=3), 400, "best_of"),
     "suffix": ("POST", "/v1/completions", completion(suffix="}"), 400, "suffix"),
     "presence-penalty-over-2": (

@@ -403,6 +403,8 @@ OWN_NAMES: dict[str, dict[str, str]] = {
         ),
         "CompletionRequest.num_logprobs": "v0.11.0 reads request.logprobs inline",
         "ChatCompletionRequest.num_logprobs": "v0.11.0 reads request.top_logprobs inline",
+        "SamplingRequest.num_prompt_logprobs": "v0.11.0 reads request.prompt_logprobs inline in to_sampling_params",
+        "CompletionRequest.num_prompt_logprobs": "v0.11.0 reads request.prompt_logprobs (or, with echo, logprobs) inline",
         "random_id": "v0.11.0 uses random_uuid from vllm/utils/__init__.py",
     },
     "nano_v1/envs.py": {

@@ -95,8 +95,11 @@ class KVCacheManager:
         At most num_tokens - 1 tokens can hit: the model must run on at least the last
         prompt token to produce the logits the first output token is sampled from. The
         hit is whole blocks, so a fully cached prompt recomputes its whole last block.
+
+        A request that wants prompt logprobs gets no hit: they need every prompt
+        position's hidden states, which a cached block does not keep.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.empty_kv_cache_blocks, 0
         max_cache_hit_length = request.num_tokens - 1
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(

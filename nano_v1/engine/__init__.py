@@ -21,6 +21,7 @@ from typing import Any
 
 from nano_v1.metrics.stats import SchedulerStats
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
+from nano_v1.outputs import LogprobsTensors
 from nano_v1.sampling_params import SamplingParams
 
 
@@ -48,6 +49,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # The whole prompt's logprobs, in the output of the step that completed its prefill
+    # (only for requests with `prompt_logprobs`); tensors travel as raw bytes (serial_utils).
+    new_prompt_logprobs_tensors: LogprobsTensors | None = None
 
     @property
     def finished(self) -> bool:

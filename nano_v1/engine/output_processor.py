@@ -10,16 +10,23 @@ string found here finishes the request, and the caller tells the core to abort i
 
 `n > 1` is fanned out here too: the core only ever sees independent requests
 (`"{index}_{request_id}"`); a parent gathers their completions into one output.
+
+What differs from v0.11.0: no `LogprobsProcessor` per request (vllm/v1/engine/logprobs.py).
+Sample logprobs stay the core's `{token_id: logprob}` dicts; prompt logprobs become
+`Logprob` dicts once per parent (`OutputProcessor._update_prompt_logprobs`), from the
+first child whose prefill completes, where v0.11.0 keeps a copy per child.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from nano_v1.engine import EngineCoreOutput, EngineCoreRequest
 from nano_v1.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from nano_v1.metrics.stats import IterationStats, RequestStateStats
-from nano_v1.outputs import CompletionOutput, RequestOutput
+from nano_v1.logprobs import Logprob, PromptLogprobs
+from nano_v1.outputs import CompletionOutput, LogprobsTensors, RequestOutput
 from nano_v1.sampling_params import RequestOutputKind
 
 
@@ -33,6 +40,9 @@ class ParentRequest:
     output_kind: RequestOutputKind
     completions: list[CompletionOutput | None]
     num_cached_tokens: int = 0
+    # With `prompt_logprobs`: [None] until the first child's prefill completes, then the
+    # whole prompt's (`_update_prompt_logprobs`); None without. A DELTA output takes them once.
+    prompt_logprobs: PromptLogprobs | None = None
     # Per completion, (tokens, characters) already sent: what DELTA outputs skip. Both only
     # grow: what was sent cannot be taken back.
     num_sent: list[tuple[int, int]] = field(default_factory=list)
@@ -97,6 +107,7 @@ class OutputProcessor:
             prompt_token_ids=first.prompt_token_ids,
             output_kind=first.sampling_params.output_kind,
             completions=[None] * len(requests),
+            prompt_logprobs=None if first.sampling_params.prompt_logprobs is None else [None],
             num_sent=[(0, 0)] * len(requests),
         )
         self.parent_requests[parent_id] = parent
@@ -167,6 +178,10 @@ class OutputProcessor:
         until max_tokens. Not those the core finished itself: it has freed them already, and
         an ABORT sent after their id is reused would end the new request.
         """
+        for out in engine_core_outputs:
+            state = self.request_states.get(out.request_id)
+            if out.new_prompt_logprobs_tensors is not None and state is not None:
+                self._update_prompt_logprobs(state.parent, out.new_prompt_logprobs_tensors)
         # BEGIN TASK ch09_t3: this step's text, stop strings and outputs per user request; what a stop string ends, the core must abort
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
@@ -217,6 +232,23 @@ class OutputProcessor:
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
         # END TASK
 
+    def _update_prompt_logprobs(self, parent: ParentRequest, prompt_logprobs_tensors: LogprobsTensors) -> None:
+        """Turn the prompt logprobs from the engine core into `Logprob` dicts, one per prompt token
+        after the first: its own token (with its rank) and the top ones (ranks 1, 2, ...), with
+        their text. Only the first child's count: the `n` children share the prompt."""
+        if parent.prompt_logprobs != [None]:
+            return
+        token_ids = prompt_logprobs_tensors.logprob_token_ids.tolist()
+        logprobs = prompt_logprobs_tensors.logprobs.tolist()
+        ranks = prompt_logprobs_tensors.selected_token_ranks.tolist()
+        for ids, values, rank in zip(token_ids, logprobs, ranks):
+            parent.prompt_logprobs.append(
+                {
+                    token_id: Logprob(logprob, r, None if self.tokenizer is None else self.tokenizer.decode([token_id]))
+                    for token_id, logprob, r in zip(ids, values, itertools.chain((rank,), itertools.count(1)))
+                }
+            )
+
     def _make_request_output(self, parent: ParentRequest) -> RequestOutput:
         """The parent's output now: per completion, DELTA's new tokens and text since the last
         output, else everything so far."""
@@ -239,4 +271,14 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished(),
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=_pop_prompt_logprobs(parent),
         )
+
+
+def _pop_prompt_logprobs(parent: ParentRequest) -> PromptLogprobs | None:
+    """The parent's prompt logprobs for its next output: all of them, except that a DELTA stream
+    gets them in its first output only (the step its first prefill completed), then []."""
+    prompt_logprobs = parent.prompt_logprobs
+    if parent.output_kind == RequestOutputKind.DELTA and prompt_logprobs:
+        parent.prompt_logprobs = []
+    return prompt_logprobs

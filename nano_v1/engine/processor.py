@@ -146,11 +146,7 @@ class Processor:
     ) -> tuple[str | None, EngineCoreRequest]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(
-                f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: "
-                f"{MAX_LOGPROBS}."
-            )
+        self._validate_logprobs(params)
         truncate = self._truncation_size(params.truncate_prompt_tokens)
         prompt_text, token_ids = self.tokenize(prompt, truncating=truncate is not None)
         if truncate is not None:
@@ -220,6 +216,21 @@ class Processor:
                     f"encoder_cache_size={self.encoder_cache_size}): raise them."
                 )
         return token_ids, mm_features or None
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """At most `MAX_LOGPROBS` top logprobs per sampled token and per prompt token (-1: the vocabulary)."""
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(
+                f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}."
+            )
+        if params.prompt_logprobs is not None:
+            num_prompt_logprobs = self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            if num_prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"Requested prompt logprobs of {num_prompt_logprobs}, which is greater than max allowed: "
+                    f"{MAX_LOGPROBS}."
+                )
 
     def _validate_sampling_params(self, params: SamplingParams) -> None:
         """Check every token id the params name is in the vocabulary; tokenize `bad_words` into `params`."""

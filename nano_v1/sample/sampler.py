@@ -2,7 +2,7 @@
 temperature, min-p, top-k, top-p).
 
 Mirrors vllm/v1/sample/sampler.py and vllm/v1/sample/ops/topk_topp_sampler.py (chapter 01);
-`SamplerOutput` and `LogprobsTensors` live in vllm/v1/outputs.py there.
+`SamplerOutput` lives in vllm/v1/outputs.py there (`LogprobsTensors` does in nano_v1 too).
 
 Why it is shaped this way: every row of the batch may want different settings, yet the
 work must stay a handful of batched tensor ops with no per-row Python and no GPU->CPU
@@ -19,28 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nano_v1.outputs import LogprobsTensors
 from nano_v1.sample.metadata import SamplingMetadata
 from nano_v1.sample.ops.bad_words import apply_bad_words
 from nano_v1.sample.ops.penalties import apply_all_penalties
 from nano_v1.sampling_params import _SAMPLING_EPS
-
-
-@dataclass(slots=True)
-class LogprobsTensors:
-    """Per row: the sampled token first, then the top `max_num_logprobs` tokens."""
-
-    logprob_token_ids: torch.Tensor  # [num_reqs, 1 + max_num_logprobs] int64
-    logprobs: torch.Tensor  # [num_reqs, 1 + max_num_logprobs] float32
-
-    def tolists(self, num_logprobs: list[int | None]) -> list[list[dict[int, float]]]:
-        """Per row: [{token_id: logprob}] of the sampled token and the row's own top `num_logprobs[row]`
-        ([] where that is None: the row asked for none, or its sample was discarded)."""
-        token_ids = self.logprob_token_ids.tolist()
-        logprobs = self.logprobs.tolist()
-        return [
-            [] if n is None else [dict(zip(ids[: 1 + n], values[: 1 + n]))]
-            for ids, values, n in zip(token_ids, logprobs, num_logprobs)
-        ]
 
 
 @dataclass(slots=True)
@@ -139,13 +122,15 @@ class Sampler(nn.Module):
     def gather_logprobs(
         logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
     ) -> LogprobsTensors:
-        """The sampled token's logprob, then the top `num_logprobs` (ids and values)."""
-        topk_logprobs, topk_indices = torch.topk(logprobs, num_logprobs, dim=-1)  # [num_reqs, k]
-        token_ids = token_ids.unsqueeze(-1)  # [num_reqs, 1]
-        token_logprobs = logprobs.gather(-1, token_ids)  # [num_reqs, 1]
+        """Per row: the given token's logprob, then the top `num_logprobs` (ids and values), and
+        the given token's rank: how many tokens are at least as likely as it (itself included)."""
+        topk_logprobs, topk_indices = torch.topk(logprobs, num_logprobs, dim=-1)  # [num_rows, k]
+        token_ids = token_ids.unsqueeze(-1)  # [num_rows, 1]
+        token_logprobs = logprobs.gather(-1, token_ids)  # [num_rows, 1]
         return LogprobsTensors(
             logprob_token_ids=torch.cat((token_ids, topk_indices), dim=1),
             logprobs=torch.cat((token_logprobs, topk_logprobs), dim=1),
+            selected_token_ranks=(logprobs >= token_logprobs).sum(dim=-1),
         )
 
 

@@ -25,6 +25,7 @@ import torch
 
 from nano_v1.core.sched.output import NewRequestData
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
+from nano_v1.outputs import LogprobsTensors
 from nano_v1.sample.logits_processor import (
     BatchUpdate,
     LogitsProcessor,
@@ -172,6 +173,12 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # Request id -> number of top logprobs it wants.
         self.num_logprobs: dict[str, int] = {}
+        # Request id -> number of top prompt logprobs it wants, for those whose prefill is
+        # still to complete; and the prompt logprobs of its chunks so far (chapter 01). A
+        # request that leaves the batch before its prefill completes was preempted: it
+        # computes its prompt again from the start, logprobs included.
+        self.num_prompt_logprobs: dict[str, int] = {}
+        self.in_progress_prompt_logprobs_cpu: dict[str, LogprobsTensors] = {}
         # Requests the proposer must not draft for (chapter 10): those that want logprobs
         # (drafts would need them at every position) or min_tokens (the stop mask too).
         self.spec_decode_unsupported_reqs: set[str] = set()
@@ -268,6 +275,10 @@ class InputBatch:
         if params.logprobs is not None:
             # Asking for more than the vocabulary returns the whole vocabulary.
             self.num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
+        if params.prompt_logprobs is not None:
+            self.num_prompt_logprobs[req_id] = (
+                self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            )
         if params.logprobs is not None or params.min_tokens > 0 or _shapes_logits(params):
             self.spec_decode_unsupported_reqs.add(req_id)
         if req_index in self._removed:
@@ -313,6 +324,8 @@ class InputBatch:
         self.bad_words_token_ids.pop(req_index, None)
         self.req_output_token_ids[req_index] = None
         self.num_logprobs.pop(req_id, None)
+        self.num_prompt_logprobs.pop(req_id, None)
+        self.in_progress_prompt_logprobs_cpu.pop(req_id, None)
         self.spec_decode_unsupported_reqs.discard(req_id)
         # Added since the last refresh: the processors must not hear of it at all.
         self._added = [added for added in self._added if added[0] != req_index]

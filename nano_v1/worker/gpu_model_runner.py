@@ -41,12 +41,13 @@ one capture loop over the dispatcher's keys instead of a `_capture_cudagraphs` c
 mode, and no garbage-collector freeze, data-parallel padding or micro-batches;
 `_pad_for_full_graph` is nano_v1's own (vLLM pads the same buffers in `_prepare_inputs`
 on every step); `_bookkeeping_sync` returns the `ModelRunnerOutput` rather than its
-parts, as nano_v1 has no NaN counts, prompt logprobs or pooling to add to it. With async
-scheduling, v0.11.0 leaves the placeholders in the host's token table and request states
-for good (with pipeline parallelism the scheduler sends the tokens back); nano_v1 writes
-the real tokens over them during the next step (`_fill_sampled_token_placeholders`), as
-a request resumed after preemption is rewritten from its state, and penalties and bad
-words read the output tokens.
+parts, as nano_v1 has no NaN counts or pooling to add to it, and `execute_model` adds
+the prompt logprobs to it; they are copied to the host synchronously, where v0.11.0
+overlaps the copies and synchronises once. With async scheduling, v0.11.0 leaves the
+placeholders in the host's token table and request states for good (with pipeline
+parallelism the scheduler sends the tokens back); nano_v1 writes the real tokens over them
+during the next step (`_fill_sampled_token_placeholders`), as a request resumed after
+preemption is rewritten from its state, and penalties and bad words read the output tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from nano_v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     AsyncModelRunnerOutput,
     DraftTokenIds,
+    LogprobsTensors,
     ModelRunnerOutput,
 )
 from nano_v1.sample.logits_processor import build_logitsprocs
@@ -712,6 +714,60 @@ class GPUModelRunner:
             logprobs=logprobs,
         )
 
+    def _get_prompt_logprobs_dict(
+        self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]
+    ) -> dict[str, LogprobsTensors | None]:
+        """The prompt logprobs of the requests whose prefill completed this step, whole.
+
+        Position i's logits predict prompt token i + 1, so a chunk of positions
+        [start, start + n) yields the logprobs of tokens start + 1 .. start + n, computed
+        here from the chunk's hidden states (a logits row per prompt token: the cost of the
+        feature) and copied into the request's host tensors for the whole prompt
+        (`in_progress_prompt_logprobs_cpu`). They are returned once the chunk reaching the
+        last prompt token has run, the step that samples the first output token; a chunk
+        ending one short of it has nothing left to compute but waits for that step.
+        """
+        num_prompt_logprobs_dict = self.input_batch.num_prompt_logprobs
+        if not num_prompt_logprobs_dict:
+            return {}
+        in_progress_dict = self.input_batch.in_progress_prompt_logprobs_cpu
+        prompt_logprobs_dict: dict[str, LogprobsTensors | None] = {}
+        completed_prefill_reqs: list[str] = []
+        for req_id, num_prompt_logprobs in num_prompt_logprobs_dict.items():
+            num_tokens = num_scheduled_tokens[req_id]  # every batch member is scheduled
+            request = self.requests[req_id]
+            num_prompt_tokens = len(request.prompt_token_ids)
+            logprobs_tensors = in_progress_dict.get(req_id)
+            if logprobs_tensors is None:
+                logprobs_tensors = LogprobsTensors.empty_cpu(num_prompt_tokens - 1, num_prompt_logprobs + 1)
+                in_progress_dict[req_id] = logprobs_tensors
+            start_idx = request.num_computed_tokens
+            start_tok = start_idx + 1
+            num_remaining_tokens = num_prompt_tokens - start_tok
+            if num_tokens <= num_remaining_tokens:
+                num_logits = num_tokens  # more prompt follows (or, at ==, only the last token)
+            else:
+                num_logits = num_remaining_tokens  # the last chunk
+                completed_prefill_reqs.append(req_id)
+                prompt_logprobs_dict[req_id] = logprobs_tensors
+            if num_logits <= 0:
+                continue  # the previous chunk computed them all
+            offset = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
+            logits = self.model.compute_logits(hidden_states[offset : offset + num_logits])
+            tgt_token_ids = torch.tensor(
+                request.prompt_token_ids[start_tok : start_tok + num_logits], device=self.device
+            )
+            logprobs = self.sampler.compute_logprobs(logits)
+            chunk = self.sampler.gather_logprobs(logprobs, num_prompt_logprobs, tgt_token_ids)
+            chunk_slice = slice(start_idx, start_idx + num_logits)
+            logprobs_tensors.logprob_token_ids[chunk_slice].copy_(chunk.logprob_token_ids)
+            logprobs_tensors.logprobs[chunk_slice].copy_(chunk.logprobs)
+            logprobs_tensors.selected_token_ranks[chunk_slice].copy_(chunk.selected_token_ranks)
+        for req_id in completed_prefill_reqs:
+            del num_prompt_logprobs_dict[req_id]
+            del in_progress_dict[req_id]
+        return prompt_logprobs_dict
+
     @contextmanager
     def synchronize_input_prep(self) -> Iterator[None]:
         """Around the host's writes into the pinned step buffers, with async scheduling on CUDA:
@@ -778,6 +834,9 @@ class GPUModelRunner:
             self._fill_sampled_token_placeholders()
         sampler_output = self._sample(logits, spec_decode_metadata, discard_req_indices)
         output = self._bookkeeping_sync(sampler_output, discard_req_indices)
+        output.prompt_logprobs_dict = self._get_prompt_logprobs_dict(
+            hidden_states[:num_tokens], scheduler_output.num_scheduled_tokens
+        )
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
         if not self.use_async_scheduling:

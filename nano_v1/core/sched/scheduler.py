@@ -484,6 +484,7 @@ class Scheduler:
                     request.get_finished_reason() if is_stopped else None,
                     request.stop_reason,
                     request.num_cached_tokens,
+                    new_prompt_logprobs_tensors=model_runner_output.prompt_logprobs_dict.get(req_id),
                 )
             )
             if is_stopped:

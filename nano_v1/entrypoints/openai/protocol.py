@@ -9,7 +9,7 @@ that validates them for `LLM` too; `to_sampling_params` hands the values over.
 
 A request never silently gets less than it asked for: a field we do not implement is a
 400 naming it, as OpenAI answers an unknown parameter and vLLM an unsupported one. The
-OpenAI fields clients often send with their no-op value (`echo: false`) are declared, and
+OpenAI fields clients often send with their no-op value (`best_of: 1`) are declared, and
 accepted only with that value.
 
 What a request may cost is bounded before it is handled (issue 26: one body of a million
@@ -44,6 +44,7 @@ from pydantic import (
     model_validator,
 )
 
+from nano_v1.logprobs import PromptLogprobs
 from nano_v1.sampling_params import RequestOutputKind, SamplingParams
 
 # The most completions one request may ask for: OpenAI's limit for chat completions. Each is a
@@ -169,6 +170,9 @@ class SamplingRequest(OpenAIRequestModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     vllm_xargs: Annotated[dict[str, str | int | float], Field(max_length=MAX_VLLM_XARGS)] | None = None
+    # vLLM's: the prompt's own logprobs and the top `prompt_logprobs` per prompt token, in the
+    # response's `prompt_logprobs` (a whole response's only: not with stream, as vLLM).
+    prompt_logprobs: StrictInt | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -182,9 +186,19 @@ class SamplingRequest(OpenAIRequestModel):
                 )
         return value
 
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> SamplingRequest:
+        if self.stream and self.prompt_logprobs is not None and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return self
+
     def num_logprobs(self) -> int | None:
         """Top logprobs per token (0: the sampled token's only), or None for no logprobs."""
         raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token, or None for no prompt logprobs."""
+        return self.prompt_logprobs
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raise ValueError (an HTTP 400) if a value is out of range."""
@@ -209,6 +223,7 @@ class SamplingRequest(OpenAIRequestModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             extra_args=self.vllm_xargs or None,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -223,12 +238,13 @@ class CompletionRequest(SamplingRequest):
     )
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the top `logprobs` tokens per position, and the sampled one
-    # Not implemented: accepted only at their no-op values.
+    # The prompt before each choice's text (and, with logprobs, its tokens' logprobs before the
+    # choice's; the first prompt token's are null).
     echo: bool = False
+    # Not implemented: accepted only at their no-op values.
     best_of: int | None = None
     suffix: str | None = None
 
-    _check_echo = field_validator("echo")(_reject_unless((False,)))
     _check_best_of = field_validator("best_of")(_reject_unless((None, 1)))
     _check_suffix = field_validator("suffix")(_reject_unless((None,)))
 
@@ -261,6 +277,12 @@ class CompletionRequest(SamplingRequest):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs`, else with echo `logprobs`: the echoed prompt's logprobs."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ImageURL(OpenAIBaseModel):
@@ -373,6 +395,8 @@ class CompletionResponseChoice(ChoiceBase):
     text: str
     logprobs: CompletionLogProbs | None = None
     stop_reason: int | str | None = None
+    # vLLM's: the choice's prompt's `RequestOutput.prompt_logprobs`, when asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(ResponseBase):
@@ -409,6 +433,8 @@ class ChatCompletionResponseChoice(ChoiceBase):
 class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionResponseChoice]
+    # vLLM's: the prompt's `RequestOutput.prompt_logprobs`, when asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponseStreamChoice(ChoiceBase):

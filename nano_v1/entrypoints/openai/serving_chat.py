@@ -35,8 +35,8 @@ from nano_v1.entrypoints.openai.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
-from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing
-from nano_v1.outputs import CompletionOutput
+from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing, _clamp_prompt_logprobs
+from nano_v1.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -50,19 +50,24 @@ class OpenAIServingChat(OpenAIServing):
         return await self._serve(request, raw_request, [prompt])
 
     def _full_response(
-        self, completions: list[CompletionOutput], usage: UsageInfo, request_id: str, num_logprobs: int | None
+        self, outputs: list[RequestOutput], request: ChatCompletionRequest, usage: UsageInfo, request_id: str
     ) -> ChatCompletionResponse:
+        (output,) = outputs  # a chat has one prompt
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
                 message=ChatResponseMessage(role="assistant", content=c.text),
-                logprobs=self._create_chat_logprobs(c, num_logprobs),
+                logprobs=self._create_chat_logprobs(c, request.num_logprobs()),
                 finish_reason=c.finish_reason,
             )
-            for c in completions
+            for c in output.outputs
         ]
         return ChatCompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=usage
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=_clamp_prompt_logprobs(output.prompt_logprobs),
         )
 
     def _stream_chunk(

@@ -8,13 +8,18 @@ Why it exists: the completions endpoint's own part of serving: its prompt, its i
 ("cmpl-..."), and how a `RequestOutput` is spelled as `CompletionResponse`, logprobs
 included. The rest (model check, sampling params, streaming loop) is `OpenAIServing`'s.
 
-What differs from v0.11.0: no `echo`, `suffix` or `best_of`, and a batch of prompts asks
-for at most `MAX_N` completions in all (protocol.py); no streaming loop of its own:
+What differs from v0.11.0: no `suffix` or `best_of`, and a batch of prompts asks for at
+most `MAX_N` completions in all (protocol.py); no streaming loop of its own:
 `OpenAIServing._stream_generator` streams, and this class gives its chunks
-(`_stream_chunk`, `_usage_chunk`), where v0.11.0 has `completion_stream_generator`.
+(`_stream_chunk`, `_usage_chunk`, and `_echo` for a choice's first), where v0.11.0 has
+`completion_stream_generator`. With `echo`, a streamed choice's `text_offset`s count the
+echoed prompt in every chunk, as the whole response's do (v0.11.0's later chunks do not).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,8 +31,13 @@ from nano_v1.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     UsageInfo,
 )
-from nano_v1.entrypoints.openai.serving_engine import MIN_LOGPROB, OpenAIServing
-from nano_v1.outputs import CompletionOutput
+from nano_v1.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB,
+    OpenAIServing,
+    _clamp_prompt_logprobs,
+    _numbered,
+)
+from nano_v1.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -37,18 +47,23 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self._serve(request, raw_request, request.prompts())
 
     def request_output_to_completion_response(
-        self, completions: list[CompletionOutput], usage: UsageInfo, request_id: str, num_logprobs: int | None
+        self, outputs: list[RequestOutput], request: CompletionRequest, usage: UsageInfo, request_id: str
     ) -> CompletionResponse:
-        choices = [
-            CompletionResponseChoice(
-                index=c.index,
-                text=c.text,
-                logprobs=self._create_completion_logprobs(c, num_logprobs, 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in completions
-        ]
+        choices = []
+        for i, output in enumerate(outputs):
+            prompt_logprobs = _clamp_prompt_logprobs(output.prompt_logprobs)
+            for c in _numbered(output, i, request.n):
+                c = self._echo(output, c, request)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=c.index,
+                        text=c.text,
+                        logprobs=self._create_completion_logprobs(c, request.logprobs, 0),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs,
+                    )
+                )
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
     _full_response = request_output_to_completion_response  # what `_serve` answers a whole request with
@@ -68,10 +83,31 @@ class OpenAIServingCompletion(OpenAIServing):
     def _usage_chunk(self, request_id: str, usage: UsageInfo) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=usage)
 
+    def _echo(self, output: RequestOutput, c: CompletionOutput, request: CompletionRequest) -> CompletionOutput:
+        """With `echo`: the prompt's text and tokens before `c`'s and, with logprobs, the prompt
+        tokens' (None for the first, then the token and its top `logprobs`) before `c`'s."""
+        if not request.echo:
+            return c
+        prompt = output.prompt
+        if prompt is None:  # given as token ids
+            prompt = self.engine_client.tokenizer.decode(output.prompt_token_ids)
+        logprobs = c.logprobs
+        if logprobs is not None:
+            # As a sampled position's: the position's own token first, then the top ones.
+            prompt_logprobs = [
+                None if p is None else {t: lp.logprob for t, lp in itertools.islice(p.items(), 1 + request.logprobs)}
+                for p in output.prompt_logprobs
+            ]
+            logprobs = prompt_logprobs + logprobs
+        return dataclasses.replace(
+            c, text=prompt + c.text, token_ids=[*output.prompt_token_ids, *c.token_ids], logprobs=logprobs
+        )
+
     def _create_completion_logprobs(
         self, c: CompletionOutput, num_logprobs: int | None, text_offset: int
     ) -> CompletionLogProbs | None:
-        """Legacy completions' shape: `top_logprobs` maps text to logprob, the sampled token included."""
+        """Legacy completions' shape: `top_logprobs` maps text to logprob, the sampled token included;
+        both are null at a position without logprobs (an echoed prompt's first token)."""
         if num_logprobs is None:
             return None
         tokens = [self._get_decoded_token(t) for t in c.token_ids]
@@ -81,7 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text_offset += len(token)
         return CompletionLogProbs(
             text_offset=offsets,
-            token_logprobs=[max(p[t], MIN_LOGPROB) for t, p in zip(c.token_ids, c.logprobs)],
+            token_logprobs=[None if p is None else max(p[t], MIN_LOGPROB) for t, p in zip(c.token_ids, c.logprobs)],
             tokens=tokens,
-            top_logprobs=[dict(self._ranked(p)) for p in c.logprobs],
+            top_logprobs=[None if p is None else dict(self._ranked(p)) for p in c.logprobs],
         )

@@ -47,6 +47,7 @@ from nano_v1.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from nano_v1.logprobs import PromptLogprobs
 from nano_v1.outputs import CompletionOutput, RequestOutput
 from nano_v1.sampling_params import SamplingParams
 
@@ -142,14 +143,11 @@ class OpenAIServing:
         except (EngineDeadError, EngineShutdownError) as e:
             return self.create_error_response(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
         if not request.stream:
-            completions = [c for i, output in enumerate(firsts) for c in _numbered(output, i, params.n)]
-            usage = usage_info(firsts, sum(len(c.token_ids) for c in completions))
-            return JSONResponse(
-                self._full_response(completions, usage, request_id, params.logprobs).model_dump()
-            )
+            usage = usage_info(firsts, sum(len(c.token_ids) for output in firsts for c in output.outputs))
+            return JSONResponse(self._full_response(firsts, request, usage, request_id).model_dump())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         return StreamingResponse(
-            self._stream_generator(generators, firsts, request_id, params, include_usage),
+            self._stream_generator(generators, firsts, request_id, request, params, include_usage),
             media_type="text/event-stream",
         )
 
@@ -158,12 +156,14 @@ class OpenAIServing:
         generators: list[AsyncGenerator[RequestOutput, None]],
         firsts: list[RequestOutput],
         request_id: str,
+        request: SamplingRequest,
         params: SamplingParams,
         include_usage: bool,
     ) -> AsyncGenerator[str, None]:
         """Server-sent events: one chunk per new piece of a completion, then `data: [DONE]`.
 
-        `generators` are the prompts' outputs, `firsts` the first of each, already taken. If
+        `generators` are the prompts' outputs, `firsts` the first of each, already taken: the
+        ones that carry the prompt logprobs a completion's first chunk may echo (`_echo`). If
         the client disconnects, Starlette stops iterating this; closing the generators then
         aborts their requests in the engine core (`AsyncLLM.generate`).
         """
@@ -191,9 +191,11 @@ class OpenAIServing:
                             continue
                         if c.finish_reason is not None:
                             finished.add(c.index)
+                        first_chunk = c.index not in sent_role
+                        if first_chunk:
+                            c = self._echo(firsts[i], c, request)
                         text_offset = num_chars_sent.get(c.index, 0)
                         num_chars_sent[c.index] = text_offset + len(c.text)
-                        first_chunk = c.index not in sent_role
                         chunk = self._stream_chunk(c, request_id, params.logprobs, first_chunk, text_offset)
                         yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
                         sent_role.add(c.index)
@@ -212,11 +214,16 @@ class OpenAIServing:
 
     # What each endpoint spells its own way.
     def _full_response(
-        self, completions: list[CompletionOutput], usage: UsageInfo, request_id: str, num_logprobs: int | None
+        self, outputs: list[RequestOutput], request: SamplingRequest, usage: UsageInfo, request_id: str
     ) -> ResponseBase:
-        """The whole response to finished requests: their completions, numbered as choices;
-        `num_logprobs` None: they asked for no logprobs."""
+        """The whole response to the finished requests of `request`'s prompts: their completions,
+        numbered as choices (`_numbered`), each with what the request asked for."""
         raise NotImplementedError
+
+    def _echo(self, output: RequestOutput, c: CompletionOutput, request: SamplingRequest) -> CompletionOutput:
+        """Completion `c` as its first chunk sends it: with the prompt before it if the endpoint
+        and the request echo it (`output`: the prompt's request output that has its logprobs)."""
+        return c
 
     def _stream_chunk(
         self, c: CompletionOutput, request_id: str, num_logprobs: int | None, first: bool, text_offset: int
@@ -239,6 +246,18 @@ class OpenAIServing:
 
     def _get_decoded_token(self, token_id: int) -> str:
         return self.engine_client.tokenizer.decode([token_id])
+
+
+def _clamp_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobs | None:
+    """`prompt_logprobs` with -inf as `MIN_LOGPROB`, which JSON can carry."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {t: dataclasses.replace(lp, logprob=max(lp.logprob, MIN_LOGPROB)) for t, lp in position.items()}
+        for position in prompt_logprobs
+    ]
 
 
 async def _run_until_disconnect(raw_request: Request, awaitable: Awaitable[Any]) -> Any:
