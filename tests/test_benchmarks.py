@@ -57,19 +57,39 @@ def test_scheduler_benchmark_runs_the_whole_workload(tmp_path):
     cli.main([
         "bench", "scheduler", "--num-requests", "12", "--input-len-range", "20", "70",
         "--output-len-range", "3", "30", "--block-size", "4", "--max-num-batched-tokens", "64",
-        "--max-num-seqs", "8", "--output-json", str(out),
+        "--max-num-seqs", "8", "--sliding-window", "16", "--output-json", str(out),
     ])
     report = read_report(out)
     assert report["workload"]["finished"]
     # Every prompt token and every output token but the last is computed exactly once
     # (random prompts never hit the prefix cache, and the cache holds everything: no preemption).
     requests = sample_random_requests(12, (20, 70), (3, 30), vocab_size=4096, seed=0)
-    assert report["num_scheduled_tokens"] == sum(r.prompt_len + r.output_len - 1 for r in requests)
+    num_tokens = sum(r.prompt_len + r.output_len - 1 for r in requests)
+    assert report["num_scheduled_tokens"] == num_tokens
     assert report["num_steps"] >= report["num_scheduled_tokens"] / 64
     for part in ("schedule", "prepare_inputs", "bookkeeping", "update_from_output"):
         s = report["per_step"][part]
         assert all(s[k] > 0 for k in ("median_us", "mean_us", "p99_us", "us_per_token", "cpu_median_us", "cpu_us_per_token"))
     assert all(report[k] > 0 for k in ("scheduler_us_per_token", "scheduler_cpu_us_per_token", "runner_us_per_token", "runner_cpu_us_per_token"))
+
+    # The same workload through the scheduler alone, in every variant, to the end.
+    variants = report["variants"]
+    assert {name: (v["kv_cache_groups"], v["scheduler"], v["batch_queue_size"]) for name, v in variants.items()} == {
+        "single-group": ("full", "Scheduler", 1),
+        "hybrid": ("full+sliding", "Scheduler", 1),
+        "single-group async": ("full", "AsyncScheduler", 2),
+        "hybrid async": ("full+sliding", "AsyncScheduler", 2),
+    }
+    assert report["sliding_window"] == 16
+    for name, v in variants.items():
+        assert v["finished"], name
+        assert all(v[k] > 0 for k in ("schedule_cpu_median_us", "update_from_output_cpu_median_us", "scheduler_cpu_us_per_token"))
+    # Synchronously, every token once, as above; asynchronously, a request's last token is
+    # still in flight when the next step is scheduled, which may give it one token more
+    # (dropped when its output arrives).
+    assert variants["single-group"]["num_scheduled_tokens"] == variants["hybrid"]["num_scheduled_tokens"] == num_tokens
+    for name in ("single-group async", "hybrid async"):
+        assert num_tokens < variants[name]["num_scheduled_tokens"] <= num_tokens + len(requests), name
 
 
 @pytest.mark.ch04
@@ -78,6 +98,14 @@ def test_scheduler_benchmark_max_steps(tmp_path):
     cli.main(["bench", "scheduler", "--num-requests", "4", "--max-steps", "3", "--output-json", str(out)])
     report = read_report(out)
     assert report["num_steps"] == 3 and not report["workload"]["finished"]
+    # Three outputs taken in every variant; with a batch queue of two, step N + 1 is
+    # scheduled before step N's output is taken, so one more step was scheduled.
+    assert {name: (v["num_steps"], v["finished"]) for name, v in report["variants"].items()} == {
+        "single-group": (3, False),
+        "hybrid": (3, False),
+        "single-group async": (4, False),
+        "hybrid async": (4, False),
+    }
 
 
 @pytest.mark.ch01

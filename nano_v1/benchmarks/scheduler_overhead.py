@@ -16,6 +16,15 @@ The default workload is the goal's: 256 requests, prompt and output lengths unif
 [100, 1024], block size 16, 8192 tokens per step, a KV cache that holds every request. The
 goal: the scheduler (`schedule` + `update_from_output`) costs at most 0.5 µs of CPU per
 scheduled token.
+
+A second table runs the same workload through the scheduler alone, side by side, in four
+variants (`VARIANTS`): one KV cache group of full attention (`UnitaryKVCacheCoordinator`,
+every model before chapter 12) or two, full attention and a sliding window
+(`HybridKVCacheCoordinator`, chapter 12); under `Scheduler`, or under `AsyncScheduler`
+driven as `EngineCore.step_with_batch_queue` drives it with a batch queue of two
+(step N + 1 is scheduled before step N's output is taken, chapter 14). There a stand-in
+runner (`FixedTokenRunner`) answers each step with the fixed token for every request
+whose step reaches its last known token, so the times are the scheduler's own.
 """
 
 from __future__ import annotations
@@ -24,23 +33,28 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
 
 from nano_v1.benchmarks.utils import (
+    BenchRequest,
     length_range,
     print_table,
     run_on_model,
     sample_random_requests,
     write_json,
 )
-from nano_v1.core.kv_cache_utils import get_request_block_hasher
+from nano_v1.config import VllmConfig
+from nano_v1.core.kv_cache_utils import RequestBlockHasher, get_request_block_hasher
+from nano_v1.core.sched.async_scheduler import AsyncScheduler
+from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
-from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from nano_v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from nano_v1.request import Request
 from nano_v1.sample.sampler import SamplerOutput
 from nano_v1.sampling_params import SamplingParams
@@ -53,6 +67,13 @@ PARTS = ("schedule", "prepare_inputs", "bookkeeping", "update_from_output")
 FIXED_TOKEN_ID = 7
 # The goal: schedule + update_from_output at most 0.5 µs per scheduled token on the default workload.
 GOAL_SCHEDULER_US_PER_TOKEN = 0.5
+# The scheduler-only comparison: (KV cache groups, scheduler class) per variant.
+VARIANTS: dict[str, tuple[str, type[Scheduler]]] = {
+    "single-group": ("full", Scheduler),
+    "hybrid": ("full+sliding", Scheduler),
+    "single-group async": ("full", AsyncScheduler),
+    "hybrid async": ("full+sliding", AsyncScheduler),
+}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -62,11 +83,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=(100, 1024),
                         help="output lengths uniform in [LO, HI]")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--sliding-window", type=int, default=1024,
+                        help="the window of the hybrid variants' second KV cache group (Gemma 3's: 1024)")
     parser.add_argument("--output-json", type=str, default=None, help="write the results here")
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark from parsed CLI flags; print a table, write JSON, return the results."""
+    """Run the benchmark from parsed CLI flags; print the tables, write JSON, return the results."""
     return run_on_model(args, run, weights=False)
 
 
@@ -81,23 +104,16 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
         args.num_requests, input_range, output_range, vllm_config.model_config.get_vocab_size(), engine_args.seed
     )
     block_size = cache_config.block_size
-    # Enough blocks for every request at its full length, plus the null block: no preemption.
-    cache_config.num_gpu_blocks = cache_config.num_gpu_blocks_override or 1 + sum(
-        -(-(r.prompt_len + r.output_len) // block_size) for r in workload
-    )
+    block_hasher = get_request_block_hasher(block_size) if cache_config.enable_prefix_caching else None
     # No model is loaded, so no layer reports its spec: one full-attention KV cache group, as
     # every layer of the models this benchmark is meant for (a window would be ignored here).
-    model_config = vllm_config.model_config
-    spec = FullAttentionSpec(block_size, model_config.get_num_kv_heads(), model_config.get_head_size(), model_config.dtype)
-    kv_cache_config = KVCacheConfig(cache_config.num_gpu_blocks, [], [KVCacheGroupSpec(["all layers"], spec)])
+    kv_cache_config = make_kv_cache_config(vllm_config, workload, "full", args.sliding_window)
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
 
     scheduler = Scheduler(vllm_config, kv_cache_config)
     # On a GPU the runner's host-to-device copies are part of its per-step cost.
     runner = GPUModelRunner(vllm_config, torch.device(vllm_config.device_config.device))
-    block_hasher = get_request_block_hasher(block_size) if cache_config.enable_prefix_caching else None
-    for i, r in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-        scheduler.add_request(Request(str(i), r.prompt_token_ids, params, eos_token_id=None, block_hasher=block_hasher))
+    add_requests(scheduler, workload, block_hasher)
 
     # Wall time, and the CPU time of this thread: on a shared machine the second leaves out
     # the moments the OS gave the core to someone else.
@@ -138,11 +154,130 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
         engine_args={k: str(v) for k, v in dataclasses.asdict(engine_args).items()},
         num_gpu_blocks=cache_config.num_gpu_blocks,
         goal={"scheduler_us_per_token": GOAL_SCHEDULER_US_PER_TOKEN},
+        sliding_window=args.sliding_window,
+        variants={
+            name: run_variant(vllm_config, workload, block_hasher, groups, scheduler_cls, args)
+            for name, (groups, scheduler_cls) in VARIANTS.items()
+        },
     )
     print_report(report)
     if args.output_json:
         write_json(args.output_json, report)
     return report
+
+
+def make_kv_cache_config(
+    vllm_config: VllmConfig, workload: list[BenchRequest], groups: str, sliding_window: int
+) -> KVCacheConfig:
+    """One full-attention group ("full"), or that and a sliding-window group ("full+sliding"),
+    with enough blocks for every request at its full length in every group, plus the null
+    block: no request is ever preempted."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    block_size = cache_config.block_size
+    heads = dict(num_kv_heads=model_config.get_num_kv_heads(), head_size=model_config.get_head_size(),
+                 dtype=model_config.dtype)
+    kv_cache_groups = [KVCacheGroupSpec(["full attention"], FullAttentionSpec(block_size=block_size, **heads))]
+    if groups == "full+sliding":
+        spec = SlidingWindowSpec(block_size=block_size, sliding_window=sliding_window, **heads)
+        kv_cache_groups.append(KVCacheGroupSpec(["sliding window"], spec))
+    num_blocks = cache_config.num_gpu_blocks_override or 1 + len(kv_cache_groups) * sum(
+        -(-(r.prompt_len + r.output_len) // block_size) for r in workload
+    )
+    return KVCacheConfig(num_blocks, [], kv_cache_groups)
+
+
+def add_requests(scheduler: Scheduler, workload: list[BenchRequest], block_hasher: RequestBlockHasher | None) -> None:
+    for i, r in enumerate(workload):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        scheduler.add_request(Request(str(i), r.prompt_token_ids, params, eos_token_id=None, block_hasher=block_hasher))
+
+
+class FixedTokenRunner:
+    """What the scheduler needs of a model runner: which requests sample, and the fixed token.
+
+    A request samples when its step reaches the end of every token the runner knows for
+    it (its prompt, then one more per sample); a prefill chunk short of that samples
+    nothing. The runner runs each step when it is scheduled, in order, as a worker does,
+    so under async scheduling it knows a step's token before the next step runs.
+    """
+
+    def __init__(self) -> None:
+        self.num_tokens: dict[str, int] = {}
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in scheduler_output.finished_req_ids:
+            self.num_tokens.pop(req_id, None)
+        start = {}
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self.num_tokens[new_req.req_id] = len(new_req.prompt_token_ids)
+            start[new_req.req_id] = new_req.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        start.update(zip(cached.req_ids, cached.num_computed_tokens))
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled_token_ids = []
+        for req_id in req_ids:
+            if start[req_id] + scheduler_output.num_scheduled_tokens[req_id] >= self.num_tokens[req_id]:
+                self.num_tokens[req_id] += 1
+                sampled_token_ids.append([FIXED_TOKEN_ID])
+            else:
+                sampled_token_ids.append([])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled_token_ids,
+        )
+
+
+def run_variant(
+    vllm_config: VllmConfig,
+    workload: list[BenchRequest],
+    block_hasher: RequestBlockHasher | None,
+    groups: str,
+    scheduler_cls: type[Scheduler],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The workload through `scheduler_cls` over `groups`, driven as the engine core drives it.
+
+    A batch queue of one is `EngineCore.step` (schedule, run, update); of two (async
+    scheduling) it is `step_with_batch_queue` with a device that is never done first:
+    step N + 1 is scheduled before step N's output is taken. Returns CPU (thread) times.
+    """
+    kv_cache_config = make_kv_cache_config(vllm_config, workload, groups, args.sliding_window)
+    scheduler = scheduler_cls(vllm_config, kv_cache_config)
+    add_requests(scheduler, workload, block_hasher)
+    runner = FixedTokenRunner()
+    batch_queue_size = 2 if scheduler_cls is AsyncScheduler else 1
+    batch_queue: deque[tuple[ModelRunnerOutput, SchedulerOutput]] = deque()
+    schedule_ns: list[int] = []
+    update_ns: list[int] = []
+    num_scheduled_tokens = 0
+    # --max-steps counts updates: every variant then takes at least one step's output.
+    while (scheduler.has_requests() or batch_queue) and (args.max_steps is None or len(update_ns) < args.max_steps):
+        if scheduler.has_requests():
+            start = time.thread_time_ns()
+            scheduler_output = scheduler.schedule()
+            schedule_ns.append(time.thread_time_ns() - start)
+            num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+            batch_queue.appendleft((runner.execute_model(scheduler_output), scheduler_output))
+            if scheduler_output.total_num_scheduled_tokens > 0 and len(batch_queue) < batch_queue_size:
+                continue
+        model_runner_output, scheduler_output = batch_queue.pop()
+        start = time.thread_time_ns()
+        scheduler.update_from_output(scheduler_output, model_runner_output)
+        update_ns.append(time.thread_time_ns() - start)
+    if num_scheduled_tokens == 0:
+        raise ValueError("no step scheduled any token: give the benchmark at least one request and step.")
+    return {
+        "kv_cache_groups": groups,
+        "scheduler": scheduler_cls.__name__,
+        "batch_queue_size": batch_queue_size,
+        "num_steps": len(schedule_ns),
+        "num_scheduled_tokens": num_scheduled_tokens,
+        "finished": not scheduler.has_unfinished_requests(),
+        "schedule_cpu_median_us": statistics.median(schedule_ns) / 1e3,
+        "update_from_output_cpu_median_us": statistics.median(update_ns) / 1e3,
+        "scheduler_cpu_us_per_token": (sum(schedule_ns) + sum(update_ns)) / 1e3 / num_scheduled_tokens,
+    }
 
 
 def _now() -> tuple[int, int]:
@@ -203,3 +338,18 @@ def print_report(report: dict[str, Any]) -> None:
         f"({report['runner_cpu_us_per_token']:.3f} CPU)",
     ]
     print_table(columns, rows, title=title, notes=notes)
+    print()
+    variants = report["variants"]
+    metrics = [("schedule CPU µs (median)", "schedule_cpu_median_us", ".1f"),
+               ("update_from_output CPU µs (median)", "update_from_output_cpu_median_us", ".1f"),
+               ("CPU µs per scheduled token", "scheduler_cpu_us_per_token", ".3f"),
+               ("steps", "num_steps", "d"),
+               ("scheduled tokens", "num_scheduled_tokens", "d")]
+    print_table(
+        [("", "metric", "")] + [(name, name, "") for name in variants],
+        [{"metric": label, **{name: format(v[key], spec) for name, v in variants.items()}}
+         for label, key, spec in metrics],
+        title="The scheduler alone (schedule + update_from_output, no runner), per variant:",
+        notes=["single-group: one full-attention KV cache group; hybrid: full attention + a "
+               f"{report['sliding_window']}-token sliding window; async: AsyncScheduler, batch queue of 2"],
+    )
