@@ -217,3 +217,57 @@ def test_bench_serve_says_when_its_server_dies_on_start(server_pythonpath):
         with serve.running_server(EngineArgs(dtype="no-such-dtype"), "demo"):
             pass
     assert "no-such-dtype" in str(e.value)  # the end of the server's log
+
+
+FAKE_VLLM_PEER = '''#!{python}
+import json, sys
+workload = json.load(sys.stdin)
+print("INFO a log line on stdout, as vLLM writes them")
+print(json.dumps({{
+    "vllm": "0.11.0", "num_steps": 5, "finished": True, "argv": sys.argv[1:], "workload": workload,
+    "num_scheduled_tokens": sum(len(prompt) + output_len - 1 for prompt, output_len in workload["requests"]),
+    "schedule_cpu_median_us": 3.0, "update_from_output_cpu_median_us": 2.0, "scheduler_cpu_us_per_token": 9.0,
+}}))
+'''
+
+
+@pytest.mark.ch04
+def test_scheduler_benchmark_sends_the_workload_to_the_vllm_peer(tmp_path, capsys):
+    """--peer-vllm runs scheduler_peer_vllm.py under the given Python with the single-group
+    workload on stdin, and takes its answer from the last line of stdout."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_PEER.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "sched.json"
+    cli.main(["bench", "scheduler", "--num-requests", "3", "--input-len-range", "20", "40", "--output-len-range",
+              "2", "5", "--peer-vllm", str(fake), "--output-json", str(out)])
+    report = read_report(out)
+    peer = report["peer_vllm"]
+    assert peer["argv"] == ["-I", str(REPO_ROOT / "nano_v1/benchmarks/scheduler_peer_vllm.py")]
+    requests = sample_random_requests(3, (20, 40), (2, 5), vocab_size=4096, seed=0)
+    assert peer["workload"]["requests"] == [[r.prompt_token_ids, r.output_len] for r in requests]
+    assert {k: peer["workload"][k] for k in ("block_size", "max_num_batched_tokens", "enable_prefix_caching")} == {
+        "block_size": 16, "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
+    }
+    assert peer["num_scheduled_tokens"] == report["variants"]["single-group"]["num_scheduled_tokens"]
+    single = report["variants"]["single-group"]["scheduler_cpu_us_per_token"]
+    assert peer["ratio_to_single_group"] == pytest.approx(9.0 / single)
+    assert "vLLM 0.11.0" in capsys.readouterr().out
+
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('no vllm here')\n")
+    with pytest.raises(RuntimeError, match="no vllm here"):
+        cli.main(["bench", "scheduler", "--num-requests", "2", "--max-steps", "2", "--peer-vllm", str(fake)])
+
+
+@pytest.mark.ch04
+@pytest.mark.skipif(not os.environ.get("NANO_V1_VLLM_PYTHON"), reason="set NANO_V1_VLLM_PYTHON to a Python with vLLM 0.11.0")
+def test_scheduler_benchmark_vllm_peer_runs_the_same_workload(tmp_path):
+    """vLLM v0.11.0's scheduler schedules exactly the tokens nano_v1's does, in as many steps."""
+    out = tmp_path / "sched.json"
+    cli.main(["bench", "scheduler", "--num-requests", "12", "--input-len-range", "20", "70", "--output-len-range",
+              "3", "30", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+              "--peer-vllm", os.environ["NANO_V1_VLLM_PYTHON"], "--output-json", str(out)])
+    report = read_report(out)
+    peer, single = report["peer_vllm"], report["variants"]["single-group"]
+    assert peer["finished"] and peer["vllm"] == "0.11.0"
+    assert (peer["num_steps"], peer["num_scheduled_tokens"]) == (single["num_steps"], single["num_scheduled_tokens"])

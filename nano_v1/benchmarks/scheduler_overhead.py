@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
+import subprocess
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,6 +88,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--sliding-window", type=int, default=1024,
                         help="the window of the hybrid variants' second KV cache group (Gemma 3's: 1024)")
+    parser.add_argument("--peer-vllm", type=str, default=None, metavar="PYTHON",
+                        help="also run vLLM v0.11.0's scheduler on the workload, under this Python (one with "
+                             "vLLM v0.11.0 installed), in a subprocess: scheduler_peer_vllm.py")
     parser.add_argument("--output-json", type=str, default=None, help="write the results here")
 
 
@@ -160,10 +166,43 @@ def run(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
             for name, (groups, scheduler_cls) in VARIANTS.items()
         },
     )
+    if args.peer_vllm:
+        peer = run_peer_vllm(args.peer_vllm, vllm_config, workload, args.max_steps)
+        peer["ratio_to_single_group"] = (
+            peer["scheduler_cpu_us_per_token"] / report["variants"]["single-group"]["scheduler_cpu_us_per_token"]
+        )
+        report["peer_vllm"] = peer
     print_report(report)
     if args.output_json:
         write_json(args.output_json, report)
     return report
+
+
+def run_peer_vllm(
+    python: str, vllm_config: VllmConfig, workload: list[BenchRequest], max_steps: int | None
+) -> dict[str, Any]:
+    """The single-group synchronous variant's workload through vLLM's own scheduler, run by
+    scheduler_peer_vllm.py under `python`; its JSON answer (CPU times, as the variants')."""
+    cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
+    peer_workload = {
+        "requests": [[r.prompt_token_ids, r.output_len] for r in workload],
+        "vocab_size": vllm_config.model_config.get_vocab_size(),
+        "block_size": cache_config.block_size,
+        "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": scheduler_config.max_num_seqs,
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "num_blocks": make_kv_cache_config(vllm_config, workload, "full", 0).num_blocks,
+        "enable_prefix_caching": cache_config.enable_prefix_caching,
+        "max_steps": max_steps,
+    }
+    # -I: the peer's own environment only (no PYTHONPATH, no script directory on sys.path).
+    result = subprocess.run(
+        [python, "-I", str(Path(__file__).with_name("scheduler_peer_vllm.py"))],
+        input=json.dumps(peer_workload), capture_output=True, text=True, check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"the vLLM peer failed under {python}:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.splitlines()[-1])  # vLLM logs to stdout too: the answer is the last line
 
 
 def make_kv_cache_config(
@@ -174,8 +213,8 @@ def make_kv_cache_config(
     block: no request is ever preempted."""
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     block_size = cache_config.block_size
-    heads = dict(num_kv_heads=model_config.get_num_kv_heads(), head_size=model_config.get_head_size(),
-                 dtype=model_config.dtype)
+    heads = {"num_kv_heads": model_config.get_num_kv_heads(), "head_size": model_config.get_head_size(),
+             "dtype": model_config.dtype}
     kv_cache_groups = [KVCacheGroupSpec(["full attention"], FullAttentionSpec(block_size=block_size, **heads))]
     if groups == "full+sliding":
         spec = SlidingWindowSpec(block_size=block_size, sliding_window=sliding_window, **heads)
@@ -345,11 +384,17 @@ def print_report(report: dict[str, Any]) -> None:
                ("CPU µs per scheduled token", "scheduler_cpu_us_per_token", ".3f"),
                ("steps", "num_steps", "d"),
                ("scheduled tokens", "num_scheduled_tokens", "d")]
+    notes = [(f"single-group: one full-attention KV cache group; hybrid: full attention + a "
+              f"{report['sliding_window']}-token sliding window; async: AsyncScheduler, batch queue of 2")]
+    if "peer_vllm" in report:
+        peer = report["peer_vllm"]
+        variants = {**variants, f"vLLM {peer['vllm']}": peer}
+        notes.append(f"vLLM {peer['vllm']}'s Scheduler, single group, synchronous: "
+                     f"{peer['ratio_to_single_group']:.2f}x nano_v1's CPU µs per scheduled token")
     print_table(
         [("", "metric", "")] + [(name, name, "") for name in variants],
         [{"metric": label, **{name: format(v[key], spec) for name, v in variants.items()}}
          for label, key, spec in metrics],
         title="The scheduler alone (schedule + update_from_output, no runner), per variant:",
-        notes=["single-group: one full-attention KV cache group; hybrid: full attention + a "
-               f"{report['sliding_window']}-token sliding window; async: AsyncScheduler, batch queue of 2"],
+        notes=notes,
     )
