@@ -23,8 +23,9 @@ every model before chapter 12) or two, full attention and a sliding window
 (`HybridKVCacheCoordinator`, chapter 12); under `Scheduler`, or under `AsyncScheduler`
 driven as `EngineCore.step_with_batch_queue` drives it with a batch queue of two
 (step N + 1 is scheduled before step N's output is taken, chapter 14). There a stand-in
-runner (`FixedTokenRunner`) answers each step with the fixed token for every request
-whose step reaches its last known token, so the times are the scheduler's own.
+runner (`scheduler_peer_vllm.FixedTokenRunner`, which `--peer-vllm` gives vLLM's own
+scheduler too) answers each step with the fixed token for every request whose step
+reaches its last known token, so the times are the scheduler's own.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ import json
 import statistics
 import subprocess
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from nano_v1.benchmarks.scheduler_peer_vllm import FIXED_TOKEN_ID, drive
 from nano_v1.benchmarks.utils import (
     BenchRequest,
     length_range,
@@ -53,7 +54,6 @@ from nano_v1.benchmarks.utils import (
 from nano_v1.config import VllmConfig
 from nano_v1.core.kv_cache_utils import RequestBlockHasher, get_request_block_hasher
 from nano_v1.core.sched.async_scheduler import AsyncScheduler
-from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.engine.arg_utils import EngineArgs
 from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
@@ -66,8 +66,6 @@ from nano_v1.worker.gpu_model_runner import GPUModelRunner
 NAME = "scheduler"
 USES_ENGINE_ARGS = True
 PARTS = ("schedule", "prepare_inputs", "bookkeeping", "update_from_output")
-# The token every request "samples"; any id works, as every request ignores EOS.
-FIXED_TOKEN_ID = 7
 # The goal: schedule + update_from_output at most 0.5 µs per scheduled token on the default workload.
 GOAL_SCHEDULER_US_PER_TOKEN = 0.5
 # The scheduler-only comparison: (KV cache groups, scheduler class) per variant.
@@ -231,42 +229,6 @@ def add_requests(scheduler: Scheduler, workload: list[BenchRequest], block_hashe
         scheduler.add_request(Request(str(i), r.prompt_token_ids, params, eos_token_id=None, block_hasher=block_hasher))
 
 
-class FixedTokenRunner:
-    """What the scheduler needs of a model runner: which requests sample, and the fixed token.
-
-    A request samples when its step reaches the end of every token the runner knows for
-    it (its prompt, then one more per sample); a prefill chunk short of that samples
-    nothing. The runner runs each step when it is scheduled, in order, as a worker does,
-    so under async scheduling it knows a step's token before the next step runs.
-    """
-
-    def __init__(self) -> None:
-        self.num_tokens: dict[str, int] = {}
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in scheduler_output.finished_req_ids:
-            self.num_tokens.pop(req_id, None)
-        start = {}
-        for new_req in scheduler_output.scheduled_new_reqs:
-            self.num_tokens[new_req.req_id] = len(new_req.prompt_token_ids)
-            start[new_req.req_id] = new_req.num_computed_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        start.update(zip(cached.req_ids, cached.num_computed_tokens))
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        sampled_token_ids = []
-        for req_id in req_ids:
-            if start[req_id] + scheduler_output.num_scheduled_tokens[req_id] >= self.num_tokens[req_id]:
-                self.num_tokens[req_id] += 1
-                sampled_token_ids.append([FIXED_TOKEN_ID])
-            else:
-                sampled_token_ids.append([])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled_token_ids,
-        )
-
-
 def run_variant(
     vllm_config: VllmConfig,
     workload: list[BenchRequest],
@@ -275,47 +237,17 @@ def run_variant(
     scheduler_cls: type[Scheduler],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """The workload through `scheduler_cls` over `groups`, driven as the engine core drives it.
-
-    A batch queue of one is `EngineCore.step` (schedule, run, update); of two (async
-    scheduling) it is `step_with_batch_queue` with a device that is never done first:
-    step N + 1 is scheduled before step N's output is taken. Returns CPU (thread) times.
-    """
+    """The workload through `scheduler_cls` over `groups`, driven as the engine core drives
+    it (`drive`): with a batch queue of two under `AsyncScheduler`, of one otherwise."""
     kv_cache_config = make_kv_cache_config(vllm_config, workload, groups, args.sliding_window)
     scheduler = scheduler_cls(vllm_config, kv_cache_config)
     add_requests(scheduler, workload, block_hasher)
-    runner = FixedTokenRunner()
     batch_queue_size = 2 if scheduler_cls is AsyncScheduler else 1
-    batch_queue: deque[tuple[ModelRunnerOutput, SchedulerOutput]] = deque()
-    schedule_ns: list[int] = []
-    update_ns: list[int] = []
-    num_scheduled_tokens = 0
-    # --max-steps counts updates: every variant then takes at least one step's output.
-    while (scheduler.has_requests() or batch_queue) and (args.max_steps is None or len(update_ns) < args.max_steps):
-        if scheduler.has_requests():
-            start = time.thread_time_ns()
-            scheduler_output = scheduler.schedule()
-            schedule_ns.append(time.thread_time_ns() - start)
-            num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-            batch_queue.appendleft((runner.execute_model(scheduler_output), scheduler_output))
-            if scheduler_output.total_num_scheduled_tokens > 0 and len(batch_queue) < batch_queue_size:
-                continue
-        model_runner_output, scheduler_output = batch_queue.pop()
-        start = time.thread_time_ns()
-        scheduler.update_from_output(scheduler_output, model_runner_output)
-        update_ns.append(time.thread_time_ns() - start)
-    if num_scheduled_tokens == 0:
-        raise ValueError("no step scheduled any token: give the benchmark at least one request and step.")
     return {
         "kv_cache_groups": groups,
         "scheduler": scheduler_cls.__name__,
         "batch_queue_size": batch_queue_size,
-        "num_steps": len(schedule_ns),
-        "num_scheduled_tokens": num_scheduled_tokens,
-        "finished": not scheduler.has_unfinished_requests(),
-        "schedule_cpu_median_us": statistics.median(schedule_ns) / 1e3,
-        "update_from_output_cpu_median_us": statistics.median(update_ns) / 1e3,
-        "scheduler_cpu_us_per_token": (sum(schedule_ns) + sum(update_ns)) / 1e3 / num_scheduled_tokens,
+        **drive(scheduler, ModelRunnerOutput, batch_queue_size, args.max_steps),
     }
 
 
