@@ -11,6 +11,7 @@ different gaps between the two.
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,9 @@ class Request:
         # Hashes of the request's full blocks, extended as tokens arrive (chapter 03).
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
+        # How many tokens fill the next unhashed block (never reached without a hasher):
+        # `append_output_token_ids` calls `update_block_hashes` only once there.
+        self._num_tokens_next_full_block = sys.maxsize
         self.update_block_hashes()
 
     @property
@@ -128,14 +132,18 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        self.update_block_hashes()
+        # One comparison per token; the call, and the hasher, once per block.
+        if len(self._all_token_ids) >= self._num_tokens_next_full_block:
+            self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Hash any block that the latest tokens have just filled."""
         hasher = self._block_hasher
-        # Cheap test first: is there a full block beyond the ones already hashed?
-        if hasher is not None and len(self._all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+        if hasher is None:
+            return
+        if len(self._all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
             self.block_hashes.extend(hasher(self))
+        self._num_tokens_next_full_block = (len(self.block_hashes) + 1) * hasher.block_size
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

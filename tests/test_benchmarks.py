@@ -57,19 +57,39 @@ def test_scheduler_benchmark_runs_the_whole_workload(tmp_path):
     cli.main([
         "bench", "scheduler", "--num-requests", "12", "--input-len-range", "20", "70",
         "--output-len-range", "3", "30", "--block-size", "4", "--max-num-batched-tokens", "64",
-        "--max-num-seqs", "8", "--output-json", str(out),
+        "--max-num-seqs", "8", "--sliding-window", "16", "--output-json", str(out),
     ])
     report = read_report(out)
     assert report["workload"]["finished"]
     # Every prompt token and every output token but the last is computed exactly once
     # (random prompts never hit the prefix cache, and the cache holds everything: no preemption).
     requests = sample_random_requests(12, (20, 70), (3, 30), vocab_size=4096, seed=0)
-    assert report["num_scheduled_tokens"] == sum(r.prompt_len + r.output_len - 1 for r in requests)
+    num_tokens = sum(r.prompt_len + r.output_len - 1 for r in requests)
+    assert report["num_scheduled_tokens"] == num_tokens
     assert report["num_steps"] >= report["num_scheduled_tokens"] / 64
     for part in ("schedule", "prepare_inputs", "bookkeeping", "update_from_output"):
         s = report["per_step"][part]
         assert all(s[k] > 0 for k in ("median_us", "mean_us", "p99_us", "us_per_token", "cpu_median_us", "cpu_us_per_token"))
     assert all(report[k] > 0 for k in ("scheduler_us_per_token", "scheduler_cpu_us_per_token", "runner_us_per_token", "runner_cpu_us_per_token"))
+
+    # The same workload through the scheduler alone, in every variant, to the end.
+    variants = report["variants"]
+    assert {name: (v["kv_cache_groups"], v["scheduler"], v["batch_queue_size"]) for name, v in variants.items()} == {
+        "single-group": ("full", "Scheduler", 1),
+        "hybrid": ("full+sliding", "Scheduler", 1),
+        "single-group async": ("full", "AsyncScheduler", 2),
+        "hybrid async": ("full+sliding", "AsyncScheduler", 2),
+    }
+    assert report["sliding_window"] == 16
+    for name, v in variants.items():
+        assert v["finished"], name
+        assert all(v[k] > 0 for k in ("schedule_cpu_median_us", "update_from_output_cpu_median_us", "scheduler_cpu_us_per_token"))
+    # Synchronously, every token once, as above; asynchronously, a request's last token is
+    # still in flight when the next step is scheduled, which may give it one token more
+    # (dropped when its output arrives).
+    assert variants["single-group"]["num_scheduled_tokens"] == variants["hybrid"]["num_scheduled_tokens"] == num_tokens
+    for name in ("single-group async", "hybrid async"):
+        assert num_tokens < variants[name]["num_scheduled_tokens"] <= num_tokens + len(requests), name
 
 
 @pytest.mark.ch04
@@ -78,6 +98,14 @@ def test_scheduler_benchmark_max_steps(tmp_path):
     cli.main(["bench", "scheduler", "--num-requests", "4", "--max-steps", "3", "--output-json", str(out)])
     report = read_report(out)
     assert report["num_steps"] == 3 and not report["workload"]["finished"]
+    # Three outputs taken in every variant; with a batch queue of two, step N + 1 is
+    # scheduled before step N's output is taken, so one more step was scheduled.
+    assert {name: (v["num_steps"], v["finished"]) for name, v in report["variants"].items()} == {
+        "single-group": (3, False),
+        "hybrid": (3, False),
+        "single-group async": (4, False),
+        "hybrid async": (4, False),
+    }
 
 
 @pytest.mark.ch01
@@ -189,3 +217,57 @@ def test_bench_serve_says_when_its_server_dies_on_start(server_pythonpath):
         with serve.running_server(EngineArgs(dtype="no-such-dtype"), "demo"):
             pass
     assert "no-such-dtype" in str(e.value)  # the end of the server's log
+
+
+FAKE_VLLM_PEER = '''#!{python}
+import json, sys
+workload = json.load(sys.stdin)
+print("INFO a log line on stdout, as vLLM writes them")
+print(json.dumps({{
+    "vllm": "0.11.0", "num_steps": 5, "finished": True, "argv": sys.argv[1:], "workload": workload,
+    "num_scheduled_tokens": sum(len(prompt) + output_len - 1 for prompt, output_len in workload["requests"]),
+    "schedule_cpu_median_us": 3.0, "update_from_output_cpu_median_us": 2.0, "scheduler_cpu_us_per_token": 9.0,
+}}))
+'''
+
+
+@pytest.mark.ch04
+def test_scheduler_benchmark_sends_the_workload_to_the_vllm_peer(tmp_path, capsys):
+    """--peer-vllm runs scheduler_peer_vllm.py under the given Python with the single-group
+    workload on stdin, and takes its answer from the last line of stdout."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_PEER.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "sched.json"
+    cli.main(["bench", "scheduler", "--num-requests", "3", "--input-len-range", "20", "40", "--output-len-range",
+              "2", "5", "--peer-vllm", str(fake), "--output-json", str(out)])
+    report = read_report(out)
+    peer = report["peer_vllm"]
+    assert peer["argv"] == ["-I", str(REPO_ROOT / "nano_v1/benchmarks/scheduler_peer_vllm.py")]
+    requests = sample_random_requests(3, (20, 40), (2, 5), vocab_size=4096, seed=0)
+    assert peer["workload"]["requests"] == [[r.prompt_token_ids, r.output_len] for r in requests]
+    assert {k: peer["workload"][k] for k in ("block_size", "max_num_batched_tokens", "enable_prefix_caching")} == {
+        "block_size": 16, "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
+    }
+    assert peer["num_scheduled_tokens"] == report["variants"]["single-group"]["num_scheduled_tokens"]
+    single = report["variants"]["single-group"]["scheduler_cpu_us_per_token"]
+    assert peer["ratio_to_single_group"] == pytest.approx(9.0 / single)
+    assert "vLLM 0.11.0" in capsys.readouterr().out
+
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('no vllm here')\n")
+    with pytest.raises(RuntimeError, match="no vllm here"):
+        cli.main(["bench", "scheduler", "--num-requests", "2", "--max-steps", "2", "--peer-vllm", str(fake)])
+
+
+@pytest.mark.ch04
+@pytest.mark.skipif(not os.environ.get("NANO_V1_VLLM_PYTHON"), reason="set NANO_V1_VLLM_PYTHON to a Python with vLLM 0.11.0")
+def test_scheduler_benchmark_vllm_peer_runs_the_same_workload(tmp_path):
+    """vLLM v0.11.0's scheduler schedules exactly the tokens nano_v1's does, in as many steps."""
+    out = tmp_path / "sched.json"
+    cli.main(["bench", "scheduler", "--num-requests", "12", "--input-len-range", "20", "70", "--output-len-range",
+              "3", "30", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+              "--peer-vllm", os.environ["NANO_V1_VLLM_PYTHON"], "--output-json", str(out)])
+    report = read_report(out)
+    peer, single = report["peer_vllm"], report["variants"]["single-group"]
+    assert peer["finished"] and peer["vllm"] == "0.11.0"
+    assert (peer["num_steps"], peer["num_scheduled_tokens"]) == (single["num_steps"], single["num_scheduled_tokens"])

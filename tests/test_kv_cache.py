@@ -364,10 +364,10 @@ def test_allocate_slots_is_all_or_nothing():
 def test_allocate_slots_first_drops_the_blocks_no_query_sees(monkeypatch):
     # Full attention drops nothing; a sliding window (chapter 12) does, through this call.
     manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)  # 3 free
-    single = manager.coordinator.single_type_managers[0]
+    coordinator = manager.coordinator
     calls = []
-    drop = single.remove_skipped_blocks
-    monkeypatch.setattr(single, "remove_skipped_blocks", lambda *args: (calls.append(args), drop(*args)))
+    drop = coordinator.remove_skipped_blocks
+    monkeypatch.setattr(coordinator, "remove_skipped_blocks", lambda *args: (calls.append(args), drop(*args)))
     request = make_ch02_request("r", list(range(16)))
     manager.allocate_slots(request, 8)
     request.num_computed_tokens = 8

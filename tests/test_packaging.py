@@ -44,8 +44,8 @@ def test_the_wheel_holds_the_package_alone(wheel):
     assert {name.split("/")[0] for name in names} == {"nano_v1", "nano_v1-0.1.0.dist-info"}
     assert not [name for name in names if name.endswith("/train.py")]
     benchmarks = {Path(name).name for name in names if name.startswith("nano_v1/benchmarks/")}
-    assert benchmarks == {"__init__.py", "processes.py", "roofline.py", "scheduler_overhead.py", "serve.py",
-                          "spec_decode.py", "throughput.py", "utils.py"}
+    assert benchmarks == {"__init__.py", "processes.py", "roofline.py", "scheduler_overhead.py",
+                          "scheduler_peer_vllm.py", "serve.py", "spec_decode.py", "throughput.py", "utils.py"}
     assert "nano_v1/demo_model/checkpoint/model.safetensors" in names
 
 

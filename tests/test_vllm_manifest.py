@@ -299,6 +299,20 @@ OWN_NAMES: dict[str, dict[str, str]] = {
     "nano_v1/config/utils.py": {
         "check_positive_int": "field checks that vLLM leaves to pydantic",
     },
+    "nano_v1/core/kv_cache_coordinator.py": {
+        "UnitaryKVCacheCoordinator.get_num_blocks_to_allocate": (
+            "with one group, the call goes to the manager without v0.11.0's loop over groups (issue 27's cost)"
+        ),
+        "UnitaryKVCacheCoordinator.save_new_computed_blocks": (
+            "with one group, the call goes to the manager without v0.11.0's loop over groups (issue 27's cost)"
+        ),
+        "UnitaryKVCacheCoordinator.allocate_new_blocks": (
+            "with one group, the call goes to the manager without v0.11.0's loop over groups (issue 27's cost)"
+        ),
+        "UnitaryKVCacheCoordinator.cache_blocks": (
+            "with one group, the call goes to the manager without v0.11.0's loop over groups (issue 27's cost)"
+        ),
+    },
     "nano_v1/core/kv_cache_manager.py": {
         "KVCacheManager.record_prefix_cache_stats": (
             "counts a lookup once the request is admitted (v0.11.0 counts per attempt, in "

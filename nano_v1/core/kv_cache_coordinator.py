@@ -11,6 +11,11 @@ the request computes from the same position in all layers. Without prefix cachin
 (`UnitaryKVCacheCoordinator`) that is chapter 03's search; with full-attention and
 sliding-window groups (`HybridKVCacheCoordinator`) the full-attention hit bounds the
 sliding-window search, whose hit is then the answer for both.
+
+What differs from v0.11.0: two shortcuts for the calls the scheduler makes for every
+running request every step. `UnitaryKVCacheCoordinator` passes them straight to its one
+manager instead of looping over a tuple of one; and `remove_skipped_blocks` asks only the
+managers that can drop a block (not full attention's, whose answer is always "none").
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ class KVCacheCoordinator(ABC):
         self.single_type_managers = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, kv_cache_group_id)
             for kv_cache_group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        # Full attention never drops a block while a request runs, so
+        # `remove_skipped_blocks`, called for every running request every step, asks only
+        # the other managers (none, for most models).
+        self.managers_that_skip_blocks = tuple(
+            manager for manager in self.single_type_managers if not isinstance(manager, FullAttentionManager)
         )
 
     def get_num_blocks_to_allocate(
@@ -74,7 +85,7 @@ class KVCacheCoordinator(ABC):
         ]
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for manager in self.single_type_managers:
+        for manager in self.managers_that_skip_blocks:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
@@ -110,11 +121,30 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         assert len(kv_cache_config.kv_cache_groups) == 1
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size
+        (self.manager,) = self.single_type_managers
+
+    # The scheduler calls these for every running request every step: with one group each
+    # goes straight to its manager, with no loop over groups and no generator.
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[list[KVCacheBlock], ...]
+    ) -> int:
+        return self.manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[0])
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]
+    ) -> None:
+        self.manager.save_new_computed_blocks(request_id, new_computed_blocks[0])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        return (self.manager.allocate_new_blocks(request_id, num_tokens),)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.manager.cache_blocks(request, num_computed_tokens)
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        hit_blocks = self.single_type_managers[0].find_longest_cache_hit(
+        hit_blocks = self.manager.find_longest_cache_hit(
             block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size

@@ -157,14 +157,17 @@ class KVCacheManager:
         if new_computed_blocks is None:
             # Fast path, most decode steps: the tokens fit in the blocks the request holds
             # and fill none of them, so there is nothing to allocate and nothing to cache.
+            # It runs for every running request every step: comparisons, not min(), pick
+            # the final tokens and cap the slots (CPython's min() costs several comparisons).
             req_blocks = self._first_manager.req_to_blocks.get(request_id)
             end = request.num_computed_tokens + num_new_tokens
+            num_tokens = request.num_tokens
             if (
                 req_blocks is not None
                 and end + num_lookahead_tokens <= len(req_blocks) * self.block_size
                 and (
                     not self.enable_caching
-                    or min(end, request.num_tokens) // self.block_size
+                    or (end if end < num_tokens else num_tokens) // self.block_size
                     <= self._first_manager.num_cached_block[request_id]
                 )
             ):
@@ -174,9 +177,9 @@ class KVCacheManager:
             new_computed_block_list = new_computed_blocks.blocks
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(
-            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
+        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > self.max_model_len:  # lookahead slots stop at the context's end
+            num_tokens_need_slot = self.max_model_len
         num_tokens_to_check = num_tokens_need_slot
         if full_sequence_must_fit:
             num_tokens_to_check = max(num_tokens_need_slot, min(request.num_tokens, self.max_model_len))
@@ -197,8 +200,11 @@ class KVCacheManager:
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching:
             # Register blocks that this step's tokens fill. Only final tokens count:
-            # lookahead slots hold draft tokens that may still be rejected.
-            coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+            # lookahead slots and scheduled drafts hold tokens that may still be rejected.
+            num_final_tokens = num_computed_tokens + num_new_tokens
+            if num_final_tokens > request.num_tokens:
+                num_final_tokens = request.num_tokens
+            coordinator.cache_blocks(request, num_final_tokens)
         return KVCacheBlocks(new_blocks)
         # END TASK
 

@@ -59,6 +59,8 @@ class SingleTypeKVCacheManager(ABC):
         num_required_blocks = -(-num_tokens // self.block_size)  # ceil division
         num_new_blocks = max(0, num_required_blocks - num_held - len(new_computed_blocks))
         # END TASK
+        if not new_computed_blocks:
+            return num_new_blocks  # a running request: hits are only taken on admission
         num_evictable_computed_blocks = sum(
             block.ref_cnt == 0 and not block.is_null for block in new_computed_blocks
         )

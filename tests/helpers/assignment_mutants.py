@@ -153,8 +153,8 @@ MUTANTS: dict[str, list[Mutant]] = {
         Mutant(
             "no_lookahead_slots",
             "forgets the lookahead slots: draft tokens get no block",
-            old="num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len",
-            new="num_computed_tokens + num_new_tokens, self.max_model_len",
+            old="num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens\n",
+            new="num_tokens_need_slot = num_computed_tokens + num_new_tokens\n",
         ),
         Mutant(
             "fast_path_ignores_lookahead",
@@ -171,14 +171,16 @@ MUTANTS: dict[str, list[Mutant]] = {
         Mutant(
             "caches_lookahead_slots",
             "counts the lookahead slots as final tokens: caches a block whose last slots hold drafts",
-            old="min(num_computed_tokens + num_new_tokens, request.num_tokens)",
-            new="min(num_tokens_need_slot, request.num_tokens)",
+            old="num_final_tokens = num_computed_tokens + num_new_tokens\n",
+            new="num_final_tokens = num_tokens_need_slot\n",
         ),
         Mutant(
             "caches_scheduled_drafts",
             "caches up to the end of the scheduled tokens, past request.num_tokens: draft tokens count as final",
-            old="min(num_computed_tokens + num_new_tokens, request.num_tokens)",
-            new="num_computed_tokens + num_new_tokens",
+            old="""            if num_final_tokens > request.num_tokens:
+                num_final_tokens = request.num_tokens
+""",
+            new="",
         ),
         Mutant(
             "allocates_the_whole_sequence",
