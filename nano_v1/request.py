@@ -6,6 +6,10 @@ The whole unified scheduler rests on two counters kept here: `num_tokens` (promp
 output so far) and `num_computed_tokens` (how many of those already have KV in the
 cache). A prefill, a prefill chunk, a decode and a prefix-cache hit are all just
 different gaps between the two.
+
+What differs from v0.11.0: `append_output_token_ids` calls the block hasher only when
+the tokens reach the end of the next block (v0.11.0 calls it on every token and lets it
+find no full block); the hashes are the same.
 """
 
 from __future__ import annotations

@@ -466,7 +466,9 @@ class Scheduler:
         req_id_to_index = model_runner_output.req_id_to_index
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         spec_decoding_stats: SpecDecodingStats | None = None
+        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
         requests = self.requests
+        update_request_with_output = self._update_request_with_output
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None:
@@ -489,7 +491,7 @@ class Scheduler:
                 continue  # a prefill chunk that has not reached the last prompt token
 
             status_before_stop = request.status
-            new_token_ids, is_stopped = self._update_request_with_output(request, new_token_ids)
+            new_token_ids, is_stopped = update_request_with_output(request, new_token_ids)
             new_logprobs = logprobs[req_index][: len(new_token_ids)] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
@@ -499,7 +501,7 @@ class Scheduler:
                     request.get_finished_reason() if is_stopped else None,
                     request.stop_reason,
                     request.num_cached_tokens,
-                    new_prompt_logprobs_tensors=model_runner_output.prompt_logprobs_dict.get(req_id),
+                    prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None,
                 )
             )
             if is_stopped:
