@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from helpers.kv_cache import BLOCK_SIZE, full_attention_kv_cache_config, make_request, queue_ids
+from helpers.kv_cache import BLOCK_SIZE, HEADS, full_attention_kv_cache_config, make_request, queue_ids
 from helpers.scheduler import FakeModelRunner, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +28,7 @@ from nano_v1.core.kv_cache_utils import (
 )
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
@@ -483,6 +484,71 @@ def test_a_decode_step_that_fills_a_block_caches_it():
     assert hashed == [True, True], (
         f"the blocks with hashes are {hashed}: the step that computes token 7 fills block 1; it needs no new "
         "block, but it must cache block 1 so that later requests can hit it"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_hits_at_the_front_of_the_free_queue_are_touched_before_allocating():
+    """Rule: «touch the hits before allocating» the fresh blocks: a hit still in the free queue
+    could otherwise be handed out again, to this very request."""
+    manager = make_manager(num_gpu_blocks=6, max_model_len=100)  # 5 free
+    hits = admit_and_free_a_prefix(manager)  # a held blocks 1, 2, 3; the free queue: 4, 5, then 3, 2, 1
+    x = make_ch02_request("x", list(range(100, 108)))
+    manager.allocate_slots(x, 8)  # blocks 4 and 5
+    manager.free(x)  # the free queue: 3, 2, 1, 5, 4 (the hits 2 and 1 near its front)
+    b = make_ch02_request("b", list(range(8)) + list(range(50, 58)))
+    fresh = manager.allocate_slots(b, 8, 8, KVCacheBlocks((hits,)))
+    handed_out = None if fresh is None else ids_of(fresh)
+    assert handed_out == [3, 5], (
+        f"b's 16 slots need its 2 hits (blocks 1, 2) and 2 fresh blocks; allocate_slots handed out {handed_out}: "
+        "with the hits touched first, the fresh ones are the front of what is left of the queue, 3 and 5 "
+        "(touch the hits before allocating, or the pool hands a hit out again)"
+    )
+    assert block_ids(manager, "b") == [1, 2, 3, 5], "b's block list is its 2 hits, then its 2 fresh blocks"
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_every_group_must_fit():
+    """Rule: count the blocks «every group» needs against the free pool: a chunk that fits in one
+    group's blocks but not in all of them is refused, and nothing changes."""
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, **HEADS)
+    config = KVCacheConfig(6, [], [KVCacheGroupSpec(["a.0"], spec), KVCacheGroupSpec(["b.0"], spec)])
+    manager = KVCacheManager(config, max_model_len=100, enable_caching=False)  # 5 free
+    request = make_ch02_request("r", list(range(12)))
+    try:
+        fresh = manager.allocate_slots(request, 12)
+    except ValueError as error:
+        raise AssertionError(
+            f"allocate_slots raised {error!r}: 12 tokens need 3 blocks in each of the 2 groups, 6 in all, and "
+            "5 are free; count every group's blocks and return None"
+        ) from error
+    assert fresh is None, (
+        "12 tokens need 3 blocks in each of the 2 groups, 6 in all, and 5 are free: refuse (return None)"
+    )
+    assert manager.block_pool.get_num_free_blocks() == 5 and manager.get_block_ids("r") == ([], []), (
+        "a refused request must take no block in any group"
+    )
+    assert manager.allocate_slots(make_ch02_request("s", list(range(8))), 8) is not None, (
+        "8 tokens need 2 blocks in each group, 4 in all, and 5 are free: admit"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_an_admission_caches_what_its_hits_and_new_tokens_fill():
+    """Rule: the tokens to cache count «this step's hits»: after an admission, the request's hits and
+    new tokens are all final, and every block they fill is cached."""
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
+    hits = admit_and_free_a_prefix(manager)
+    b = make_ch02_request("b", list(range(8)) + [50, 51, 52, 53])
+    manager.allocate_slots(b, 4, 8, KVCacheBlocks((hits,)))
+    hashed = [block.block_hash is not None for block in group_blocks(manager)["b"]]
+    assert hashed == [True, True, True], (
+        f"the blocks with hashes are {hashed}: b's 2 hits hold tokens 0-7 and this step computes tokens 8-11, "
+        "which fill block 2, so block 2 must be cached too (count the hits' 8 tokens, not just "
+        "request.num_computed_tokens = 0)"
     )
 
 
