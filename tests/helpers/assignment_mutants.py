@@ -585,6 +585,24 @@ MUTANTS: dict[str, list[Mutant]] = {
             "    return output\n",
             new="    return suffix_output\n",
         ),
+        Mutant(
+            "prefix_max_seqlen_q_of_one_request",
+            "gives the prefix pass the longest request's query count as max_seqlen_q, not the whole batch's",
+            old="max_seqlen_q=num_tokens,",
+            new="max_seqlen_q=max_query_len,",
+        ),
+        Mutant(
+            "prefix_max_seqlen_k_of_the_context",
+            "gives the prefix pass the longest whole context as max_seqlen_k, though it reads the prefix only",
+            old="max_seqlen_k=common_prefix_len,",
+            new="max_seqlen_k=max_kv_len,",
+        ),
+        Mutant(
+            "suffix_max_seqlen_k_counts_the_prefix",
+            "gives the suffix pass the longest whole context as max_seqlen_k, counting the prefix it skips",
+            old="max_seqlen_k=max_kv_len - common_prefix_len,",
+            new="max_seqlen_k=max_kv_len,",
+        ),
     ],
     "ch08_t1": [
         Mutant(
