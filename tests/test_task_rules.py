@@ -43,15 +43,22 @@ def task_tests() -> list[tuple[str, str, set[str], str]]:
     found = []
     for path in sorted((REPO_ROOT / "tests").glob("test_*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        module_marks: set[str] = set()
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
-            ):
-                module_marks |= task_marks(node.value)
+        # Module-level names that hold task marks (`pytestmark`, or a list of `pytest.param`s).
+        named = {
+            target.id: task_marks(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                marks = module_marks | set().union(*(task_marks(d) for d in node.decorator_list))
+                marks = set(named.get("pytestmark", set()))
+                for decorator in node.decorator_list:
+                    marks |= task_marks(decorator)
+                    for name in ast.walk(decorator):
+                        if isinstance(name, ast.Name):
+                            marks |= named.get(name.id, set())
                 if marks:
                     found.append((path.name, node.name, marks, ast.get_docstring(node) or ""))
     return found
@@ -65,7 +72,7 @@ def stated(task: Task) -> str:
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.lineno < task.begin_line
-        and task.end_line <= (node.end_lineno or 0)
+        and task.begin_line < (node.end_lineno or 0)
     ]
     innermost = max(around, key=lambda node: node.lineno)
     return " ".join(f"{task.hint} {ast.get_docstring(innermost) or ''}".split())

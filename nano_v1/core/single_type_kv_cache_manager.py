@@ -147,6 +147,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
+        """Full attention: the cached blocks of `block_hashes` from the first block up to the
+        first miss (a miss ends the hit: every later hash names a prefix that includes it),
+        at most `max_num_blocks` whole blocks; each block found in every group."""
         assert isinstance(kv_cache_spec, FullAttentionSpec)
         computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         max_num_blocks = max_length // kv_cache_spec.block_size
