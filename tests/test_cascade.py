@@ -62,6 +62,8 @@ GRID = list(
 
 @pytest.mark.ch07_t2
 def test_rule_on_a_grid():
+    """Rule: «First the cheap refusals: a prefix under 256 tokens, attention variants the two-pass split does
+    not handle, or fewer than 8 requests»; then «the faster one wins», on a grid of every case."""
     outcomes = []
     for prefix, num_reqs, kind, (heads, kv_heads), variant, sms in GRID:
         query_lens = np.ones(num_reqs, dtype=np.int32)
@@ -107,6 +109,8 @@ def test_rule_on_a_grid():
 )
 @pytest.mark.ch07_t2
 def test_rule_by_hand(prefix, num_reqs, heads, kv_heads, sms, expected):
+    """Rule: «if the plain kernel would not run as flash-decoding (which needs grouped KV heads and a batch of
+    pure decodes)», cascade; else «the faster one wins», in «waves of 128 x 128 tiles over the SMs»."""
     query_lens = np.ones(num_reqs, dtype=np.int32)
     got = use_cascade_attention(prefix, query_lens, heads, kv_heads, False, False, False, sms)
     assert got is expected, (
@@ -360,7 +364,12 @@ def test_each_pass_gets_the_maxima_a_varlen_kernel_sizes_itself_by(group):
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.ch07_t3
 def test_cascade_with_triton_kernels_equals_float64(group):
-    """The FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's interpreter on a CPU),
+    """Rule: «the prefix is read once for the whole batch, and each request then attends to its own blocks
+    after the prefix», through the FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's
+    interpreter on a CPU), which read every length and query range from the tensors cascade passes
+    them.
+
+    The FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's interpreter on a CPU),
     which read every length and query range from the tensors cascade passes them."""
     pytest.importorskip(
         "nano_v1.attention.ops.triton_unified_attention", reason="the Triton kernels (chapter 06)"
@@ -485,7 +494,11 @@ def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, mon
 
 @pytest.mark.ch07_t3
 def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
-    """No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
+    """Rule: «combine the two with `ops.merge_attn_states` into `output`»: with no forcing (multi-head
+    attention, so no flash-decoding; 8 requests, 256 shared tokens) the engine cascades, and its greedy
+    tokens are transformers'.
+
+    No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
     from helpers.checkpoints import make_tiny_checkpoint
     from transformers import AutoModelForCausalLM
 

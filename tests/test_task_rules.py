@@ -2,9 +2,9 @@
 
 A student has the stub, not the tests: the docstring of the function that holds the task
 region and the region's hint. Each test that carries a task's marker says in its docstring
-which rule it holds, in a line that starts `Rule:` (or `Rules:`), and quotes the rule's key
-phrase in «...» (or a name in `...`); every quoted phrase must appear verbatim, whitespace
-aside, in the task's docstring or hint. A test that holds the student to a rule the stub
+which rule it holds, in a paragraph that starts `Rule:` (or `Rules:`), and quotes the rule's
+key phrase in «...» (or a name in `...`); every phrase quoted there must appear verbatim,
+whitespace aside, in the task's docstring or hint. A test that holds the student to a rule the stub
 never states fails here, naming the phrase.
 
 Read with `ast`, like tests/test_layout.py: no test module is imported.
@@ -91,7 +91,8 @@ def test_each_task_test_states_a_rule_its_stub_states(marks, doc, request):
     where = request.node.callspec.id
     rule = RULE_LINE.search(doc)
     assert rule, f"{where} tests {', '.join(sorted(marks))}: its docstring needs a line 'Rule: ...' naming its rule"
-    phrases = [" ".join((a or b).split()) for a, b in QUOTED.findall(doc[rule.start() :])]
+    paragraph = doc[rule.start() :].split("\n\n")[0]
+    phrases = [" ".join((a or b).split()) for a, b in QUOTED.findall(paragraph)]
     assert phrases, f"{where}: its Rule line must quote the rule's key phrase in «...» (or a name in `...`)"
     texts = {task_id: stated(TASKS[task_id]) for task_id in sorted(marks)}
     for phrase in phrases:

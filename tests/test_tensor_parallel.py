@@ -284,7 +284,10 @@ def test_vocab_parallel_layers_give_the_whole_vocabulary(tp2_llama, checkpoints,
 
 @pytest.mark.ch13_t2
 def test_row_parallel_linear_sums_the_ranks_once(checkpoints):
-    """Each rank multiplies its slice of the input; the all-reduce makes the whole output, bias once.
+    """Rule: «this rank's partial product, with the bias added on one rank only (rank 0), then summed over the
+    ranks by one all-reduce».
+
+    Each rank multiplies its slice of the input; the all-reduce makes the whole output, bias once.
 
     On an engine of its own: a failing forward ends its workers (fail-stop), and the shared
     engine must survive for the other tests."""
@@ -386,6 +389,9 @@ QKV_LAYOUTS = [
 @pytest.mark.ch13_t1
 @pytest.mark.parametrize("tp_size, num_heads, num_kv_heads", QKV_LAYOUTS)
 def test_qkv_weight_loader_gives_each_rank_its_heads(tp_size, num_heads, num_kv_heads):
+    """Rule: «Rank r holds query heads `[r * num_heads, (r + 1) * num_heads)`» and KV heads «with `s = r //
+    num_kv_head_replicas`», each shard's rows at «the shard's place in the fused parameter», weight and
+    bias."""
     check_qkv_shards(tp_size, num_heads, num_kv_heads)
 
 
@@ -406,7 +412,10 @@ def test_qkv_check_catches_a_planted_bug(monkeypatch):
 
 @pytest.mark.ch13_t1
 def test_qkv_parallel_linear_matches_the_whole_layer(tp2_llama, checkpoints):
-    """In the engine's workers: the fused layer's output on each rank is its heads' slice of the whole output."""
+    """Rule: «copy this rank's heads of the q/k/v tensor into its place in the fused parameter»: in the
+    engine's workers, the fused layer's output on each rank is its heads' slice of the whole output.
+
+    In the engine's workers: the fused layer's output on each rank is its heads' slice of the whole output."""
     path = checkpoints["llama"]
     config = json.loads((Path(path) / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
