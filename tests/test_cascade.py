@@ -341,7 +341,9 @@ def test_each_pass_gets_the_maxima_a_varlen_kernel_sizes_itself_by(group):
     impl.ops = dataclasses.replace(impl.ops, unified_attention=recording)
     metadata = TorchReferenceMetadataBuilder(torch.device("cpu")).build(step.prefix_len, step.common)
     impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, metadata, torch.empty_like(step.q))
-    assert len(calls) == 2, f"cascade must call ops.unified_attention twice (prefix pass, suffix pass), not {len(calls)}"
+    assert len(calls) == 2, (
+        f"cascade must call ops.unified_attention twice (prefix pass, suffix pass), not {len(calls)}"
+    )
     for name, call in zip(("first", "second"), calls):
         query_lens = (call["cu_seqlens_q"][1:] - call["cu_seqlens_q"][:-1]).tolist()
         key_lens = call["seqused_k"].tolist()
@@ -354,7 +356,9 @@ def test_each_pass_gets_the_maxima_a_varlen_kernel_sizes_itself_by(group):
             f"{where} is given max_seqlen_k={call['max_seqlen_k']}: it must be its longest key length, "
             f"{max(key_lens)}"
         )
-        assert call.get("return_lse"), f"{where} must return its log-sum-exp (return_lse=True): the merge needs it"
+        assert call.get("return_lse"), (
+            f"{where} must return its log-sum-exp (return_lse=True): the merge needs it"
+        )
     unmasked = [call for call in calls if not call["causal"]]
     assert len(unmasked) == 1 and unmasked[0]["seqused_k"].tolist() == [step.prefix_len], (
         f"exactly one pass, the prefix pass, runs without a mask, over the {step.prefix_len} prefix keys alone"

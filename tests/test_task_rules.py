@@ -32,9 +32,7 @@ QUOTED = re.compile(r"«([^»]+)»|`([^`]+)`")
 def task_marks(node: ast.AST) -> set[str]:
     """The task ids that `node` names as `pytest.mark.chNN_tK` (decorators, `marks=`, `pytestmark`)."""
     return {
-        sub.attr
-        for sub in ast.walk(node)
-        if isinstance(sub, ast.Attribute) and TASK_MARK.match(sub.attr)
+        sub.attr for sub in ast.walk(node) if isinstance(sub, ast.Attribute) and TASK_MARK.match(sub.attr)
     }
 
 
@@ -86,11 +84,15 @@ def test_every_task_has_tests_found_here():
     assert found == set(TASKS), f"tasks whose tests this check cannot find: {sorted(set(TASKS) - found)}"
 
 
-@pytest.mark.parametrize("marks, doc", [(m, d) for _, _, m, d in TESTS], ids=[f"{f}::{n}" for f, n, _, _ in TESTS])
+@pytest.mark.parametrize(
+    "marks, doc", [(m, d) for _, _, m, d in TESTS], ids=[f"{f}::{n}" for f, n, _, _ in TESTS]
+)
 def test_each_task_test_states_a_rule_its_stub_states(marks, doc, request):
     where = request.node.callspec.id
     rule = RULE_LINE.search(doc)
-    assert rule, f"{where} tests {', '.join(sorted(marks))}: its docstring needs a line 'Rule: ...' naming its rule"
+    assert rule, (
+        f"{where} tests {', '.join(sorted(marks))}: its docstring needs a line 'Rule: ...' naming its rule"
+    )
     paragraph = doc[rule.start() :].split("\n\n")[0]
     phrases = [" ".join((a or b).split()) for a, b in QUOTED.findall(paragraph)]
     assert phrases, f"{where}: its Rule line must quote the rule's key phrase in «...» (or a name in `...`)"

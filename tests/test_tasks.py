@@ -183,6 +183,7 @@ def test_check_stop_keeps_an_unfinished_request_running():
 @pytest.mark.ch05_t1
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_compute_slot_mapping_matches_a_loop(block_size):
+    """Rule: «Cache slot of each scheduled token: block_table[req, pos // B] * B + pos % B», with «no loop»."""
     rng = np.random.default_rng(block_size)
     max_num_reqs, max_blocks = 5, 7
     table = BlockTable(block_size, max_num_reqs, max_blocks, 64, pin_memory=False, device=torch.device("cpu"))

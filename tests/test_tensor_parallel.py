@@ -364,7 +364,9 @@ def check_qkv_shards(
                     f"shard's {name} rows must hold {shard_id} heads {heads}, and hold {found}"
                 )
             start = end
-        assert start == layer.weight.shape[0], f"rank {rank} of {tp_size}: {layer.weight.shape[0]} rows, not {start}"
+        assert start == layer.weight.shape[0], (
+            f"rank {rank} of {tp_size}: {layer.weight.shape[0]} rows, not {start}"
+        )
 
 
 def head_found(block: torch.Tensor, whole: torch.Tensor, head_size: int) -> int | str:
