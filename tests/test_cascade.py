@@ -326,7 +326,7 @@ def test_cascade_equals_plain_and_float64(prefix_blocks, group):
 def test_each_pass_gets_the_maxima_a_varlen_kernel_sizes_itself_by(group):
     """Rule: each pass's `max_seqlen_q` and `max_seqlen_k` equal «the longest query range and the
     longest key length of the pass it is given, no more and no less» (FlashAttention's varlen
-    kernel sizes its grid and tiles by them; nano_v1's kernels do not read them, so only this
+    kernel sizes its grid and tiles by them; nano_v1's kernels hardly read them, so only this
     test sees a wrong one). The prefix pass reads no suffix key, and asks for its
     log-sum-exp, as the suffix pass does."""
     step = make_shared_prefix_step(prefix_blocks=3, group=group, seed=90 + group)
