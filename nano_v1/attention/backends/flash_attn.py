@@ -353,9 +353,11 @@ def cascade_attention(
         "softmax_scale": softmax_scale,
         "return_lse": True,
     }
-    # vLLM's builder makes these two once per step; here every layer makes them.
-    cu_prefix_query_lens = torch.tensor([0, num_tokens], dtype=torch.int32, device=query.device)
-    prefix_kv_lens = torch.tensor([common_prefix_len], dtype=torch.int32, device=query.device)
+    # vLLM's builder makes these once per step; here every layer does, so they are filled on
+    # the device: a copy from host memory would make the host wait for the GPU at every layer.
+    cu_prefix_query_lens = torch.zeros(2, dtype=torch.int32, device=query.device)
+    cu_prefix_query_lens[1] = num_tokens
+    prefix_kv_lens = torch.full((1,), common_prefix_len, dtype=torch.int32, device=query.device)
     suffix_kv_lens = seq_lens - common_prefix_len
 
     prefix_output = torch.empty_like(query)
