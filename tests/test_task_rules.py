@@ -4,8 +4,8 @@ A student has the stub, not the tests: the docstring of the function that holds 
 region and the region's hint. Each test that carries a task's marker says in its docstring
 which rule it holds, in a paragraph that starts `Rule:` (or `Rules:`), and quotes the rule's
 key phrase in «...» (or a name in `...`); every phrase quoted there must appear verbatim,
-whitespace aside, in the task's docstring or hint. A test that holds the student to a rule the stub
-never states fails here, naming the phrase.
+whitespace aside, in the task's docstring or hint. A test that holds the student to a rule
+the stub never states fails here, naming the phrase.
 
 Read with `ast`, like tests/test_layout.py: no test module is imported.
 """
@@ -80,6 +80,7 @@ TESTS = task_tests()
 
 
 def test_every_task_has_tests_found_here():
+    """The check below sees every task's tests: one that found none would pass vacuously."""
     found = set().union(*(marks for _, _, marks, _ in TESTS))
     assert found == set(TASKS), f"tasks whose tests this check cannot find: {sorted(set(TASKS) - found)}"
 
