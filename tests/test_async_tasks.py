@@ -1,7 +1,8 @@
 """The graded tasks of chapter 14: placeholders in, placeholders out, and the batch queue.
 
 Each task's own tests (marked `ch14_t1`, `ch14_t2`, `ch14_t3`) drive one piece directly,
-step by step, and say in their docstrings which rule of the task's docstring they hold:
+step by step, and say in their docstrings which rule of the task's docstring they hold
+(tests/test_task_rules.py checks it for every task):
 
 - ch14_t1, `AsyncScheduler._update_after_schedule`: `schedule()` called again and again with
   no output back yet, as the batch queue does; only placeholders and computed counts are
@@ -18,9 +19,6 @@ executors, the server) are in test_async_scheduling.py.
 
 from __future__ import annotations
 
-import inspect
-import re
-import sys
 import types
 from collections import deque
 
@@ -60,9 +58,9 @@ def placeholders(sched: AsyncScheduler) -> dict[str, int]:
 
 @pytest.mark.ch14_t1
 def test_a_prefill_chunk_short_of_the_prompt_samples_nothing():
-    """Rules: the base class's update first (computed counts grow by the step's tokens); a
-    prefill chunk that stops short of the prompt's end gets no placeholder; the step that
-    reaches the end gets one, and a step scheduled while it is in flight another."""
+    """Rules: «First the base class's update» (computed counts grow by the step's tokens); «A prefill chunk
+    that stops short of the prompt's end samples nothing: no placeholder»; the step that reaches the
+    end gets one, and a step scheduled while it is in flight another."""
     sched = async_scheduler(budget=8)
     sched.add_request(request("0", list(range(20))))
     expected = [(8, 0), (16, 0), (20, 1), (21, 2)]  # (num_computed_tokens, placeholders) after each step
@@ -107,8 +105,8 @@ def test_each_sampling_step_in_flight_adds_one_placeholder():
 
 @pytest.mark.ch14_t1
 def test_only_the_requests_of_the_step_change():
-    """Rules: only the step's scheduled requests can gain a placeholder; a request whose chunk
-    stops short gains none, and the one whose chunk ends its prompt gains one."""
+    """Rules: «requests not in this step are untouched»; a request whose chunk stops short gains none, and the
+    one whose chunk ends its prompt gains one."""
     sched = async_scheduler(budget=10)
     sched.add_request(request("a", list(range(10))))
     sched.add_request(request("b", list(range(100, 110))))
@@ -166,8 +164,8 @@ class CacheSpy:
 
 @pytest.mark.ch14_t2
 def test_each_token_that_arrives_takes_its_placeholder_back():
-    """Rules: the base class appends the token (and the request reports it); one placeholder
-    fewer per token kept."""
+    """Rules: «The base class appends the tokens» (and the request reports it); «Each token kept was on its
+    way: one placeholder fewer per token»."""
     sched = async_scheduler()
     sched.add_request(request("0", list(range(5))))
     in_flight = deque([sched.schedule(), sched.schedule()])
@@ -207,9 +205,9 @@ def test_blocks_are_cached_only_where_the_steps_are_done():
 
 @pytest.mark.ch14_t2
 def test_a_request_that_stops_with_no_step_in_flight_leaves_its_last_token_uncached():
-    """Rules: never cache past the tokens whose steps are done: a request that stops on a
-    token with no step in flight never computes that token's KV, so the block it completes
-    must not be cached (a later prompt would reuse KV that was never written)."""
+    """Rules: «up to the tokens whose steps are done»: «a request that stops on it with no step in flight
+    never does» compute that token's KV, so the block it completes must not be cached (a later prompt
+    would reuse KV that was never written)."""
     sched = async_scheduler()
     spy = CacheSpy(sched)
     sched.add_request(request("0", [1, 2, 3], max_tokens=1))
@@ -230,9 +228,8 @@ def test_a_request_that_stops_with_no_step_in_flight_leaves_its_last_token_uncac
 
 @pytest.mark.ch14_t2
 def test_a_request_preempted_with_a_step_in_flight_keeps_its_token_and_caches_nothing():
-    """Rules: a request preempted while a step for it runs still gets that step's token (and
-    its placeholder back), but holds no blocks: the update caches only a request that was
-    running when the output arrived."""
+    """Rules: «Only for a request that was running when the output arrived»: «a request preempted with a step
+    in flight holds no blocks, although it keeps that step's token» (and its placeholder back)."""
     # Prompts of one block each; a second block each when decoding, and 3 usable blocks.
     sched = make_scheduler(4, 16, 1000, 16, 512, True, async_scheduling=True)
     spy = CacheSpy(sched)
@@ -362,7 +359,8 @@ def test_a_full_queue_waits_for_the_oldest_step():
 
 @pytest.mark.ch14_t3
 def test_an_oldest_step_already_done_is_updated_at_once():
-    """Rules: if the oldest step has already finished, do not return None: update it now."""
+    """Rules: if «the oldest step is already done», do not return None: «wait for the oldest step» (at once)
+    and update it."""
     core = BatchQueueCore(done_at_once=True)
     got = core.step_with_batch_queue()
     assert got == "outputs of step 1", (
@@ -373,8 +371,8 @@ def test_an_oldest_step_already_done_is_updated_at_once():
 
 @pytest.mark.ch14_t3
 def test_an_empty_step_is_not_left_in_flight():
-    """Rules: a step that computes no tokens (only finished ids to tell the runner) is not a
-    reason to return early: wait for the oldest step and update it."""
+    """Rules: if «the step is empty» (it computes no tokens, only finished ids to tell the runner), it is no
+    reason to return early: «wait for the oldest step» and update it."""
     core = BatchQueueCore(num_tokens=0)
     got = core.step_with_batch_queue()
     check_launched_without_blocking(core)
@@ -398,8 +396,8 @@ def test_finished_requests_not_yet_reported_still_get_a_step():
 
 @pytest.mark.ch14_t3
 def test_with_nothing_to_do_it_returns_none_and_with_a_step_in_flight_it_waits():
-    """Rules: with nothing to schedule, wait for the oldest step in flight if there is one,
-    else return None."""
+    """Rules: with «nothing to schedule», «wait for the oldest step» in flight if there is one; «With nothing
+    to schedule and nothing in flight, return None»."""
     core = BatchQueueCore()
     assert core.step_with_batch_queue() is None, "the first call has room in the queue: it returns None"
     core.has = False
@@ -415,33 +413,3 @@ def test_with_nothing_to_do_it_returns_none_and_with_a_step_in_flight_it_waits()
             f"with nothing to schedule and nothing in flight, return None: the call failed with {error!r}"
         ) from error
     assert got is None, f"with nothing to schedule and nothing in flight, return None; got {got!r}"
-
-
-# ----------------------------------------------------------------------------- the rules are stated
-
-TASK_FUNCTIONS = {
-    "ch14_t1": AsyncScheduler._update_after_schedule,
-    "ch14_t2": AsyncScheduler._update_request_with_output,
-    "ch14_t3": EngineCore.step_with_batch_queue,
-}
-
-
-def test_each_task_test_names_rules_its_task_states():
-    """A student has the task's docstring, not these tests: every task test says which rules
-    it holds ("Rules: ..."), and every name it quotes (`...`) is in the task's docstring."""
-    tests = [
-        (function, mark.name)
-        for function in vars(sys.modules[__name__]).values()
-        if inspect.isfunction(function) and function.__name__.startswith("test_")
-        for mark in getattr(function, "pytestmark", [])
-        if mark.name in TASK_FUNCTIONS
-    ]
-    assert {task_id for _, task_id in tests} == set(TASK_FUNCTIONS), "every task has tests here"
-    for function, task_id in tests:
-        doc = " ".join((function.__doc__ or "").split())
-        assert doc.startswith("Rules: "), f"{function.__name__} ({task_id}) must say which rules it holds"
-        stated = " ".join(TASK_FUNCTIONS[task_id].__doc__.split())
-        for name in re.findall(r"`([^`]+)`", doc):
-            assert name in stated, (
-                f"{function.__name__} holds {task_id} to `{name}`, which its docstring never states"
-            )

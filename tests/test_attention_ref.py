@@ -23,6 +23,8 @@ BLOCK_SIZE = 8
 @pytest.mark.ch01_t1
 @pytest.mark.parametrize("num_padding_slots", [0, 3])
 def test_reshape_and_cache_flash_writes_exactly_the_mapped_slots(num_padding_slots):
+    """Rule: «Only the first `len(slot_mapping)` tokens are written», each to its slot, and «A slot of -1 also
+    means "no slot"»: every other slot of the cache keeps what it held."""
     rng = np.random.default_rng(num_padding_slots)
     torch.manual_seed(num_padding_slots)
     batch = make_paged_batch(rng, *random_batch(rng, num_reqs=6), NUM_KV_HEADS, 2, 64, BLOCK_SIZE)
@@ -36,6 +38,8 @@ def test_reshape_and_cache_flash_writes_exactly_the_mapped_slots(num_padding_slo
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("return_lse", [True, False], ids=["explicit+lse", "sdpa"])
 def test_paged_attention_matches_naive(seed, group, head_size, causal, return_lse):
+    """Rule: each request's queries attend over its keys gathered from its pages, «query i at its own
+    position» (causal), as naive attention over the contiguous context does."""
     rng = np.random.default_rng(seed * 100 + group * 10 + head_size)
     torch.manual_seed(seed)
     context_lens, query_lens = random_batch(rng, num_reqs=int(rng.integers(4, 9)))

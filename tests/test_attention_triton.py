@@ -79,6 +79,8 @@ CASES = [
     ],
 )
 def test_unified_attention_matches_float64(case):
+    """Rule: «fold the tile into the running max, sum and output, rescaling what came before»: the result is
+    attention in float64, to float32's precision, with and without the LSE."""
     dtype, group, head_size, causal, decode_only = case
     rng = np.random.default_rng(CASES.index(case))
     torch.manual_seed(CASES.index(case))
@@ -110,7 +112,9 @@ def test_unified_attention_matches_float64(case):
 
 @pytest.mark.ch06_t2
 def test_unified_attention_without_lse_matches_reference():
-    """`return_lse=False` compiles a kernel without the LSE store; same output as the reference."""
+    """Rule: «fold the tile into the running max, sum and output»: without the LSE too.
+
+    `return_lse=False` compiles a kernel without the LSE store; same output as the reference."""
     rng = np.random.default_rng(7)
     batch = make_paged_batch(rng, *random_batch(rng, 4, 40, 20), NUM_KV_HEADS, 2, 64, BLOCK_SIZE)
     batch.write_new_tokens()
@@ -126,6 +130,8 @@ def test_unified_attention_without_lse_matches_reference():
 @pytest.mark.ch06_t1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 def test_reshape_and_cache_flash_writes_exactly_the_mapped_slots(dtype):
+    """Rule: «program t copies token t's keys and values to its slot»; «a slot of -1 is not written», nor is
+    any slot no token maps to."""
     rng = np.random.default_rng(3)
     torch.manual_seed(3)
     batch = make_paged_batch(rng, *random_batch(rng, 5), NUM_KV_HEADS, 2, 64, BLOCK_SIZE, dtype)
@@ -164,6 +170,8 @@ MERGE_IMPLS = [pytest.param("reference", marks=[pytest.mark.ch07, pytest.mark.ch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("impl", MERGE_IMPLS)
 def test_merge_attn_states_of_random_splits_is_the_unsplit_attention(impl, dtype, empty_lse):
+    """Rule: «the union's output is the two outputs weighted by exp(lse) and renormalised»: merging the two
+    halves of any split of the keys gives the unsplit attention; «A part with no keys» «gets weight 0»."""
     merge = merge_attn_states if impl == "triton" else reference.merge_attn_states
     rng = np.random.default_rng(11)
     torch.manual_seed(11)
@@ -209,7 +217,10 @@ def test_merge_attn_states_of_random_splits_is_the_unsplit_attention(impl, dtype
 
 @pytest.mark.parametrize("impl", MERGE_IMPLS)
 def test_merge_attn_states_with_large_lse_does_not_overflow(impl):
-    """LSEs of 1000 (scores of that size occur without a scale, or in float32 accumulations):
+    """Rule: «weighted by exp(lse) and renormalised»: the weights are ratios, so they may be taken as exp(lse
+    - max lse), which LSEs of 1000 do not overflow (exp(1000) overflows float32).
+
+    LSEs of 1000 (scores of that size occur without a scale, or in float32 accumulations):
     exp(1000) overflows float32, exp(lse - max lse) does not."""
     merge = merge_attn_states if impl == "triton" else reference.merge_attn_states
     num_tokens, num_heads, head_size = 4, 2, 16
@@ -240,6 +251,7 @@ def test_merge_attn_states_with_large_lse_does_not_overflow(impl):
 
 @pytest.mark.parametrize("impl", MERGE_IMPLS)
 def test_merge_attn_states_of_two_empty_parts_is_zero(impl):
+    """Rule: «if both parts are empty the output is 0 rather than NaN»."""
     merge = merge_attn_states if impl == "triton" else reference.merge_attn_states
     num_tokens, num_heads, head_size = 3, 2, 64
     prefix_out, suffix_out = torch.randn(2, num_tokens, num_heads, head_size)

@@ -62,6 +62,8 @@ GRID = list(
 
 @pytest.mark.ch07_t2
 def test_rule_on_a_grid():
+    """Rule: «First the cheap refusals: a prefix under 256 tokens, attention variants the two-pass split does
+    not handle, or fewer than 8 requests»; then «the faster one wins», on a grid of every case."""
     outcomes = []
     for prefix, num_reqs, kind, (heads, kv_heads), variant, sms in GRID:
         query_lens = np.ones(num_reqs, dtype=np.int32)
@@ -107,6 +109,8 @@ def test_rule_on_a_grid():
 )
 @pytest.mark.ch07_t2
 def test_rule_by_hand(prefix, num_reqs, heads, kv_heads, sms, expected):
+    """Rule: «if the plain kernel would not run as flash-decoding (which needs grouped KV heads and a batch of
+    pure decodes)», cascade; else «the faster one wins», in «waves of 128 x 128 tiles over the SMs»."""
     query_lens = np.ones(num_reqs, dtype=np.int32)
     got = use_cascade_attention(prefix, query_lens, heads, kv_heads, False, False, False, sms)
     assert got is expected, (
@@ -291,29 +295,23 @@ def assert_is_attention_over_the_whole_context(out: torch.Tensor, step: SharedPr
         )
 
 
-@pytest.mark.parametrize("plans", ["builder_plans", "kernel_plans"])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("prefix_blocks", [1, 3, 8])
 @pytest.mark.ch07_t3
-def test_cascade_equals_plain_and_float64(prefix_blocks, group, plans):
-    """Through the TORCH_REFERENCE backend (builder, cache write, cascade). With `kernel_plans`
-    the reference kernels get no host-side plans and make their own from the query ranges
-    and key lengths each pass is given, as the Triton kernels read them."""
+def test_cascade_equals_plain_and_float64(prefix_blocks, group):
+    """Rule: «the prefix is read once for the whole batch, and each request then attends to its own
+    blocks after the prefix»; merged, the two passes are attention over each request's whole
+    context. Through the TORCH_REFERENCE backend (builder, cache write, cascade), whose kernels
+    plan each pass from the query ranges and key lengths it is given."""
     step = make_shared_prefix_step(prefix_blocks, group, seed=prefix_blocks * 10 + group)
     builder = TorchReferenceMetadataBuilder(torch.device("cpu"))
     impl = TorchReferenceImpl(step.q.shape[1], HEAD_SIZE, SCALE, NUM_KV_HEADS)
     cascade_metadata = builder.build(step.prefix_len, step.common)
     plain_metadata = builder.build(0, step.common)
-    suffix_kv_lens = [c + q - step.prefix_len for c, q in zip(step.computed, step.query_lens)]
-    assert cascade_metadata.use_cascade and cascade_metadata.suffix_kv_lens.tolist() == suffix_kv_lens, (
-        "given a common prefix, the builder must cascade, with suffix_kv_lens = seq_lens - common_prefix_len"
-    )
-    if plans == "kernel_plans":
-        cascade_metadata = dataclasses.replace(cascade_metadata, batch_split=None, prefix_batch_split=None)
+    assert cascade_metadata.use_cascade, "given a common prefix, the builder must cascade"
     cascade_out = torch.full_like(step.q, float("nan"))
     impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, cascade_metadata, cascade_out)
-    how = "the builder's plans" if plans == "builder_plans" else "no plans: each pass plans from its lengths"
-    assert_is_attention_over_the_whole_context(cascade_out, step, f"cascade (reference kernels, {how})")
+    assert_is_attention_over_the_whole_context(cascade_out, step, "cascade (reference kernels)")
 
     plain_out = torch.full_like(step.q, float("nan"))
     impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, plain_metadata, plain_out)
@@ -323,10 +321,59 @@ def test_cascade_equals_plain_and_float64(prefix_blocks, group, plans):
     )
 
 
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.ch07_t3
+def test_each_pass_gets_the_maxima_a_varlen_kernel_sizes_itself_by(group):
+    """Rule: each pass's `max_seqlen_q` and `max_seqlen_k` equal «the longest query range and the
+    longest key length of the pass it is given, no more and no less» (FlashAttention's varlen
+    kernel sizes its grid and tiles by them; nano_v1's kernels hardly read them, so only this
+    test sees a wrong one). The prefix pass reads no suffix key, and asks for its
+    log-sum-exp, as the suffix pass does."""
+    step = make_shared_prefix_step(prefix_blocks=3, group=group, seed=90 + group)
+    impl = TorchReferenceImpl(step.q.shape[1], HEAD_SIZE, SCALE, NUM_KV_HEADS)
+    calls: list[dict] = []
+    attend = impl.ops.unified_attention
+
+    def recording(**kwargs):
+        calls.append(kwargs)
+        return attend(**kwargs)
+
+    impl.ops = dataclasses.replace(impl.ops, unified_attention=recording)
+    metadata = TorchReferenceMetadataBuilder(torch.device("cpu")).build(step.prefix_len, step.common)
+    impl.forward(None, step.q, step.new_k, step.new_v, step.kv_cache, metadata, torch.empty_like(step.q))
+    assert len(calls) == 2, (
+        f"cascade must call ops.unified_attention twice (prefix pass, suffix pass), not {len(calls)}"
+    )
+    for name, call in zip(("first", "second"), calls):
+        query_lens = (call["cu_seqlens_q"][1:] - call["cu_seqlens_q"][:-1]).tolist()
+        key_lens = call["seqused_k"].tolist()
+        where = f"the {name} pass (query ranges {query_lens}, key lengths {key_lens})"
+        assert call["max_seqlen_q"] == max(query_lens), (
+            f"{where} is given max_seqlen_q={call['max_seqlen_q']}: it must be its longest query range, "
+            f"{max(query_lens)}"
+        )
+        assert call["max_seqlen_k"] == max(key_lens), (
+            f"{where} is given max_seqlen_k={call['max_seqlen_k']}: it must be its longest key length, "
+            f"{max(key_lens)}"
+        )
+        assert call.get("return_lse"), (
+            f"{where} must return its log-sum-exp (return_lse=True): the merge needs it"
+        )
+    unmasked = [call for call in calls if not call["causal"]]
+    assert len(unmasked) == 1 and unmasked[0]["seqused_k"].tolist() == [step.prefix_len], (
+        f"exactly one pass, the prefix pass, runs without a mask, over the {step.prefix_len} prefix keys alone"
+    )
+
+
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.ch07_t3
 def test_cascade_with_triton_kernels_equals_float64(group):
-    """The FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's interpreter on a CPU),
+    """Rule: «the prefix is read once for the whole batch, and each request then attends to its own blocks
+    after the prefix», through the FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's
+    interpreter on a CPU), which read every length and query range from the tensors cascade passes
+    them.
+
+    The FLASH_ATTN backend: the Triton kernels (chapter 06; Triton's interpreter on a CPU),
     which read every length and query range from the tensors cascade passes them."""
     pytest.importorskip(
         "nano_v1.attention.ops.triton_unified_attention", reason="the Triton kernels (chapter 06)"
@@ -451,7 +498,11 @@ def test_forced_cascade_matches_transformers_triton(shared_prefix_reference, mon
 
 @pytest.mark.ch07_t3
 def test_rule_alone_cascades_and_matches_transformers(tmp_path, monkeypatch):
-    """No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
+    """Rule: «combine the two with `ops.merge_attn_states` into `output`»: with no forcing (multi-head
+    attention, so no flash-decoding; 8 requests, 256 shared tokens) the engine cascades, and its greedy
+    tokens are transformers'.
+
+    No forcing: multi-head attention (so no flash-decoding), 8 requests, 256 shared tokens."""
     from helpers.checkpoints import make_tiny_checkpoint
     from transformers import AutoModelForCausalLM
 

@@ -95,6 +95,8 @@ def sin_first_then_twice(x):
     ],
 )  # fmt: skip
 def test_split_graph_gives_each_splitting_op_its_own_piece(fn, expected):
+    """Rule: «each call of a splitting op is a piece of its own», and «the nodes after it the next one», «in
+    program order»."""
     graph = torch.fx.symbolic_trace(fn)
     split_gm, items = split_graph(graph, ["aten.sin"])
     got = [
@@ -115,6 +117,8 @@ def test_split_graph_gives_each_splitting_op_its_own_piece(fn, expected):
 
 @pytest.mark.ch08_t1
 def test_split_has_one_piece_per_attention_and_between(compiled_llm):
+    """Rule: «pieces alternate dense / op / dense / ...»: a model's graph splits into one piece per attention
+    call and one between each two."""
     backend = runner_of(compiled_llm).compile_backend
     items = backend.piecewise_graphs
     num_layers = 2
@@ -246,6 +250,9 @@ def test_engine_args_accept_a_compilation_config(tiny_qwen3, value):
 # ------------------------------------------------------------------ capture and replay, faked
 @pytest.mark.ch08_t2
 def test_wrapper_captures_once_per_batch_size_then_replays_in_place(monkeypatch):
+    """Rule: «eagerly otherwise»; «The first call with a descriptor captures its graph», «each capture counted
+    in `compilation_counter.num_cudagraph_captured`»; «Later calls replay it» and «return the captured
+    output tensors»; a replay whose inputs moved «raises an AssertionError saying the inputs moved»."""
     monkeypatch.setattr(FakeCUDAGraphWrapper, "events", [])
     events = FakeCUDAGraphWrapper.events
     wrapper = FakeCUDAGraphWrapper(lambda x: x * 2, CUDAGraphMode.PIECEWISE, None)

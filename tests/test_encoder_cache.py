@@ -255,6 +255,8 @@ def check_try_schedule(
 
 @pytest.mark.ch11_t1
 def test_try_schedule_encodes_covered_images_and_cuts_before_the_rest():
+    """Rule: «An image whose positions overlap it is needed»; if it does not fit, «the chunk is cut to end
+    just before the image, and to nothing if it starts inside it»."""
     sched = make_mm_scheduler(
         max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=16, max_image_tokens=8
     )
@@ -281,6 +283,8 @@ def test_try_schedule_encodes_covered_images_and_cuts_before_the_rest():
 
 @pytest.mark.ch11_t1
 def test_try_schedule_skips_cached_images_and_encodes_a_repeated_one_once():
+    """Rule: needed «unless it is computed already», «cached (`check_and_update_cache`, which makes the
+    request refer to it) or already chosen in this call»."""
     sched = make_mm_scheduler(
         max_num_batched_tokens=64, max_num_encoder_input_tokens=16, encoder_cache_size=16, max_image_tokens=8
     )
@@ -299,6 +303,8 @@ def test_try_schedule_skips_cached_images_and_encodes_a_repeated_one_once():
 
 @pytest.mark.ch11_t1
 def test_try_schedule_respects_the_cache_size_and_chunked_mm_input():
+    """Rule: «it must fit the remaining compute budget and the cache»; «With `disable_chunked_mm_input`, the
+    chunk is also cut before any image it would cover only in part, cached or not»."""
     sched = make_mm_scheduler(
         max_num_batched_tokens=64, max_num_encoder_input_tokens=64, encoder_cache_size=12, max_image_tokens=8
     )
@@ -322,7 +328,10 @@ def test_try_schedule_respects_the_cache_size_and_chunked_mm_input():
 
 @pytest.mark.ch11_t1
 def test_seed_schedule_text_image_text():
-    """The seed's example at small sizes: 10 text tokens, a 50-token image, 10 text tokens."""
+    """Rule: «A needed image is encoded whole»: the seed's example at small sizes (10 text tokens, a 50-token
+    image, 10 text tokens).
+
+    The seed's example at small sizes: 10 text tokens, a 50-token image, 10 text tokens."""
     layout = [*range(1, 11), ("A", 50), *range(11, 21)]
 
     def chunks(**kwargs) -> list[tuple[dict[str, int], dict[str, list[int]]]]:
@@ -390,6 +399,8 @@ def test_random_workloads_keep_the_encoder_invariants(
     disable_chunked_mm_input,
     policy,
 ):
+    """Rule: «A needed image is encoded whole» before any chunk reads it, and a block's hash names «every
+    image with a position in the block»: over random workloads the encoder's invariants hold."""
     rng = random.Random(seed)
     budget = max(budget, max_image_tokens) if disable_chunked_mm_input else budget
     max_model_len = 8 + 3 * (6 + 16) + 6 + 6 + 1
@@ -455,6 +466,7 @@ def brute_force_keys(request: Request, start: int, end: int) -> list[str]:
     block_size=st.integers(1, 8),
 )
 def test_mm_extra_keys_are_exactly_the_images_in_the_block(layout, block_size):
+    """Rule: «The mm_hash of every image with a position in the block», and no other."""
     request, _ = mm_request("r", layout, block_size=None)
     for start in range(0, request.num_tokens, block_size):
         end = start + block_size
@@ -468,6 +480,8 @@ def test_mm_extra_keys_are_exactly_the_images_in_the_block(layout, block_size):
 
 @pytest.mark.ch11_t2
 def test_block_hashes_differ_from_the_first_block_with_a_different_image():
+    """Rule: «identifiers of the images whose positions overlap the block»: two prompts whose images differ
+    hash alike up to the first block that holds one."""
     text = [1, 2, 3, 4, 5, 6]
     a, _ = mm_request("a", [*text, ("A", 6), 7, 8, 9, 10])
     b, _ = mm_request("b", [*text, ("B", 6), 7, 8, 9, 10])
@@ -495,6 +509,8 @@ def test_block_hashes_differ_from_the_first_block_with_a_different_image():
 
 @pytest.mark.ch11_t2
 def test_prefix_cache_shares_blocks_for_the_same_image_only():
+    """Rule: «identifiers of the images whose positions overlap the block»: blocks are shared for the same
+    image only."""
     sched = make_mm_scheduler(max_num_batched_tokens=64, max_image_tokens=8)
     text = [1, 2, 3, 4, 5, 6]
     first, content = mm_request("first", [*text, ("A", 8), 9, 9, 9])

@@ -182,6 +182,8 @@ def test_killed_engine_core_fails_generate_fast(monkeypatch):
 # ---------------------------------------------------------------- the busy loop, without sockets
 @pytest.mark.ch09_t1
 def test_idle_core_waits_for_a_request_without_spinning():
+    """Rule: «Idle (no unfinished request and no step in flight): block on the input queue until there is
+    work», handling each message «(an abort leaves the core idle)», «without spinning»."""
     core = LoopOnlyCore()
     calls = 0
     has_unfinished = core.scheduler.has_unfinished_requests
@@ -209,6 +211,7 @@ def test_idle_core_waits_for_a_request_without_spinning():
 
 @pytest.mark.ch09_t1
 def test_busy_core_takes_every_queued_message_and_never_waits():
+    """Rule: «Busy: take every message already queued, and never wait for more»."""
     core = LoopOnlyCore()
     core.added.append("running")
     for i in range(3):
@@ -226,6 +229,9 @@ def test_busy_core_takes_every_queued_message_and_never_waits():
 
 @pytest.mark.ch09_t2
 def test_client_requests_add_abort_and_call_utilities():
+    """Rule: «ADD adds the request and ABORT aborts the listed ids: neither is answered»; «UTILITY `(call_id,
+    method_name, args)` calls the core's method by name and answers with a `UtilityOutput` under its
+    call id»."""
     core = QueueOnlyCore()
     core._handle_client_request(EngineCoreRequestType.ADD, "r0")
     core._handle_client_request(EngineCoreRequestType.ABORT, ["r0", "r1"])
@@ -242,6 +248,8 @@ def test_client_requests_add_abort_and_call_utilities():
 
 @pytest.mark.ch09_t2
 def test_a_failing_utility_call_is_answered_and_the_core_lives_on():
+    """Rule: «if the call raised, a `failure_message` that names the method»; «A failed call is answered, not
+    fatal: the core goes on»."""
     core = QueueOnlyCore()
     for call_id, method, args in [(1, "double", ()), (2, "no_such_method", ())]:
         core._handle_client_request(EngineCoreRequestType.UTILITY, (call_id, method, args))
@@ -259,11 +267,13 @@ def test_a_failing_utility_call_is_answered_and_the_core_lives_on():
 @pytest.mark.ch09_t3
 @pytest.mark.parametrize("stop_len", range(1, 13))
 def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop_len):
-    """The held-back tail (a stop string may have begun there) never sends a character twice.
+    """Rule: «DELTA sends what is new»: «the text so far less a running request's held-back tail», so the
+    deltas add up to the text and never send a character twice.
+
+    The held-back tail (a stop string may have begun there) never sends a character twice.
 
     Regression: with a stop string of 5+ characters, the held-back slice went negative
-    while the text was short, the sent offset moved backwards, and characters repeated.
-    """
+    while the text was short, the sent offset moved backwards, and characters repeated."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_PATH)

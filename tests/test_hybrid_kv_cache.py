@@ -222,11 +222,15 @@ def check_sliding_window_decode(window: int, prompt_len: int, num_decodes: int) 
 @pytest.mark.ch12_t1
 @pytest.mark.parametrize("window, prompt_len", [(6, 20), (4, 9), (9, 3), (16, 40), (2, 13)])
 def test_remove_skipped_blocks_frees_exactly_the_blocks_before_the_window(window, prompt_len):
+    """Rule: «Free every block wholly before the oldest key the next query (at `num_computed_tokens`) sees»,
+    and no other; «Blocks are replaced, not removed»."""
     check_sliding_window_decode(window, prompt_len, num_decodes=17)
 
 
 @pytest.mark.ch12_t1
 def test_remove_skipped_blocks_in_a_long_chunk_frees_several_at_once():
+    """Rule: «Free every block wholly before the oldest key the next query (at `num_computed_tokens`) sees»:
+    after a long chunk, several at once."""
     manager = make_hybrid_manager(num_blocks=40, window=6, enable_caching=False)
     sliding = manager.coordinator.single_type_managers[0]
     request = make_request("r", list(range(40)))
@@ -351,6 +355,8 @@ def check_sliding_window_hits(find_longest_cache_hit, num_cases: int = 300) -> N
 @pytest.mark.ch12_t2
 def test_sliding_window_hit_is_found_from_the_right():
     # The docstring's case: block size 4, window 8 (2 blocks needed), blocks 1, 2 and 4 cached.
+    """Rule: «Search from the right for a run of cached blocks that covers the next query's window»; «blocks
+    left of the run come back as the null block»."""
     pool, hashes, (placed,) = pool_with_cached_blocks([[False, True, True, False, True, False]])
     spec = SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=8, **HEADS)
     (hit,) = SlidingWindowManager.find_longest_cache_hit(hashes, 24, [0], pool, spec)
@@ -377,6 +383,8 @@ def test_sliding_window_hit_is_found_from_the_right():
 
 @pytest.mark.ch12_t2
 def test_sliding_window_hit_matches_brute_force():
+    """Rule: «So the hit ends at the rightmost such run»; «A run that reaches block 0 is a hit even if
+    shorter», against brute force."""
     check_sliding_window_hits(SlidingWindowManager.find_longest_cache_hit)
 
 
@@ -457,6 +465,8 @@ def run_to_completion(manager: KVCacheManager, request, num_decodes: int) -> Non
 
 @pytest.mark.ch12_t2
 def test_repeated_prompt_hits_in_every_group_and_survives_eviction_outside_the_window():
+    """Rule: the window needs «the last ceil((w - 1) / block_size) blocks before L, and nothing older»: a
+    repeated prompt hits in every group, even after blocks outside the window are evicted."""
     manager = make_hybrid_manager(num_blocks=40, window=8, num_sliding_groups=2)
     prompt = list(range(30))
     run_to_completion(manager, make_request("first", prompt), num_decodes=10)
@@ -483,6 +493,8 @@ def test_repeated_prompt_hits_in_every_group_and_survives_eviction_outside_the_w
 @pytest.mark.ch12_t2
 def test_the_full_attention_hit_bounds_the_window_hit():
     # Evict a full-attention block in the middle: the windows' blocks after it are useless.
+    """Rule: «The hit is at most `max_length` tokens (whole blocks)»: «the full-attention hit», which «bounds
+    this one»."""
     manager = make_hybrid_manager(num_blocks=40, window=8)
     prompt = list(range(30))
     run_to_completion(manager, make_request("first", prompt), num_decodes=0)
@@ -659,6 +671,9 @@ def run_hybrid_workload(data, num_blocks: int, window: int, enable_caching: bool
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_blocks=st.integers(4, 40), window=st.integers(2, 13), enable_caching=st.booleans())
 def test_hybrid_coordinator_random_workloads(data, num_blocks, window, enable_caching):
+    """Rule: «null out and free the blocks before the block of key num_computed_tokens - w + 1», and «from the
+    right, find the window's run of cached blocks; end the hit after it»: over random workloads the
+    hybrid coordinator keeps its invariants."""
     run_hybrid_workload(data, num_blocks, window, enable_caching)
 
 
@@ -743,6 +758,9 @@ class WindowedFakeModelRunner:
 def test_scheduler_with_hybrid_groups_keeps_every_window(
     seed, block_size, window, budget, max_seqs, caching, abort_prob
 ):
+    """Rule: «null out and free the blocks before the block of key num_computed_tokens - w + 1», and «from the
+    right, find the window's run of cached blocks»: through the scheduler, every query's window stays
+    in its blocks."""
     rng = random.Random(seed)
     max_prompt, max_out = 40, 12
     max_model_len = 3 * 16 + max_prompt + max_out + 1

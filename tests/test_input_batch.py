@@ -379,6 +379,8 @@ def check_batch_rows(runner: GPUModelRunner, sched: FakeScheduler, before_step: 
 @pytest.mark.parametrize("penalties", [pytest.param(False, marks=pytest.mark.ch05_t2), True])
 @pytest.mark.parametrize("seed", range(6))
 def test_prepare_inputs_matches_naive_rebuild(vllm_config, seed, penalties):
+    """Rule: «Fills `self.input_ids` and `self.positions`» and the attention metadata, «with no loop over
+    tokens», as a naive rebuild of every step's inputs does."""
     rng = random.Random(seed)
     sched = FakeScheduler(rng, penalties=penalties)
     runner = GPUModelRunner(vllm_config, torch.device("cpu"))
@@ -653,6 +655,8 @@ def test_seeded_request_independent_of_chunking_preemption_and_batch(vllm_config
 
 @pytest.mark.ch05_t2
 def test_execute_model_greedy_and_logprobs(vllm_config):
+    """Rule: «the index of each request's last scheduled token in the flat batch (where its logits are
+    taken)»: a whole step through the runner samples each request's greedy token and logprobs."""
     runner = fake_runner(vllm_config)
     model = runner.model
     sched = FakeScheduler(random.Random(5), spawn=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from helpers.kv_cache import BLOCK_SIZE, full_attention_kv_cache_config, make_request, queue_ids
+from helpers.kv_cache import BLOCK_SIZE, HEADS, full_attention_kv_cache_config, make_request, queue_ids
 from helpers.scheduler import FakeModelRunner, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +28,7 @@ from nano_v1.core.kv_cache_utils import (
 )
 from nano_v1.core.sched.scheduler import Scheduler
 from nano_v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from nano_v1.metrics.stats import PrefixCacheStats
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import SamplingParams
@@ -94,6 +95,8 @@ def check_membership(blocks: list[KVCacheBlock], queued: list[int]) -> None:
 @settings(max_examples=100, deadline=None)
 @given(num_blocks=st.integers(0, 12), data=st.data())
 def test_free_queue_matches_list_model(num_blocks, data):
+    """Rule: popleft_n takes «the n least recently used blocks in one pass», «leaving a valid queue behind»
+    (links both ways, the count), as a plain list would."""
     blocks = [KVCacheBlock(i) for i in range(num_blocks)]
     queue = FreeKVCacheBlockQueue(blocks)
     model = list(range(num_blocks))  # front = next to be evicted
@@ -133,6 +136,8 @@ def test_free_queue_matches_list_model(num_blocks, data):
 @pytest.mark.ch02_t1
 @pytest.mark.ch02
 def test_popleft_n_takes_the_front_and_leaves_a_valid_queue():
+    """Rule: «Remove and return the first `n` blocks, front first» (none for n = 0), «leaving a valid queue
+    behind»."""
     blocks = [KVCacheBlock(i) for i in range(5)]
     queue = FreeKVCacheBlockQueue(blocks)
     popped = [b.block_id for b in queue.popleft_n(2)]
@@ -153,6 +158,7 @@ def test_popleft_n_takes_the_front_and_leaves_a_valid_queue():
 @pytest.mark.ch02_t1
 @pytest.mark.ch02
 def test_null_block_is_never_handed_out():
+    """Rule: the pool hands out blocks through popleft_n, «front first»; the null block is never in the queue."""
     pool = BlockPool(num_gpu_blocks=5, enable_caching=False)
     assert pool.null_block.block_id == 0 and pool.null_block.is_null, "block 0 is the null block"
     assert pool.get_num_free_blocks() == 4, "of 5 blocks, all but the null block start free"
@@ -235,6 +241,8 @@ def hold_blocks(single: SingleTypeKVCacheManager, request_id: str, num_blocks: i
 def test_get_num_blocks_to_allocate_counts_the_blocks_a_request_needs(
     num_held, num_hits, num_tokens, num_blocks, why
 ):
+    """Rule: «blocks for num_tokens slots, minus those held and the hits (never negative)», «plus the hits
+    that sit in the free queue»."""
     single = single_type_manager()
     # Hits held by another request too (ref_cnt 1): touching them takes nothing from the free queue.
     hits = hold_blocks(single, "other", num_hits)
@@ -249,6 +257,8 @@ def test_get_num_blocks_to_allocate_counts_the_blocks_a_request_needs(
 @settings(max_examples=100, deadline=None)
 @given(num_held=st.integers(0, 4), num_hits=st.integers(0, 3), num_tokens=st.integers(1, 30))
 def test_get_num_blocks_to_allocate_against_a_slot_by_slot_count(num_held, num_hits, num_tokens):
+    """Rule: «New blocks beyond those it holds and the hits», a partly filled block counting whole, against a
+    slot-by-slot count."""
     single = single_type_manager()
     hits = hold_blocks(single, "other", num_hits)
     if num_held:
@@ -304,6 +314,8 @@ def test_get_num_blocks_to_allocate_against_a_slot_by_slot_count(num_held, num_h
 def test_allocate_slots_counts_the_blocks_a_request_needs(
     num_computed, num_new, num_lookahead, num_blocks, why
 ):
+    """Rule: «a slot for every token in every group»: computed, new and lookahead tokens, but no slot at or
+    past max_model_len «(<= max_model_len)»."""
     manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
     request = make_ch02_request("r", list(range(9)))
     if num_computed:
@@ -317,6 +329,7 @@ def test_allocate_slots_counts_the_blocks_a_request_needs(
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_allocate_slots_refuses_zero_tokens():
+    """Rule: «Raises ValueError if `num_new_tokens` < 1»."""
     manager = make_manager(num_gpu_blocks=20, max_model_len=10, enable_caching=False)
     try:
         manager.allocate_slots(make_ch02_request("r", list(range(5))), 0)
@@ -331,6 +344,8 @@ def test_allocate_slots_refuses_zero_tokens():
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_allocate_slots_admits_exactly_what_fits():
+    """Rule: «Returns None if the free pool cannot cover the new blocks of every group»; a request that fits
+    exactly is admitted."""
     manager = make_manager(num_gpu_blocks=3, max_model_len=100, enable_caching=False)  # 2 free: block 0 is null
     full = make_ch02_request("full", list(range(8)))
     assert manager.allocate_slots(full, 8) is not None, (
@@ -346,6 +361,7 @@ def test_allocate_slots_admits_exactly_what_fits():
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_allocate_slots_is_all_or_nothing():
+    """Rule: «or None and nothing changed»: a refused request holds and takes no block."""
     manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)
     big = make_ch02_request("big", list(range(8)))
     assert manager.allocate_slots(big, 8) is not None, "8 tokens need 2 of the 3 free blocks"
@@ -363,6 +379,8 @@ def test_allocate_slots_is_all_or_nothing():
 @pytest.mark.ch02
 def test_allocate_slots_first_drops_the_blocks_no_query_sees(monkeypatch):
     # Full attention drops nothing; a sliding window (chapter 12) does, through this call.
+    """Rule: «First, blocks that no query from `request.num_computed_tokens` on can see go back to the pool»,
+    «even if the rest fails»."""
     manager = make_manager(num_gpu_blocks=4, max_model_len=100, enable_caching=False)  # 3 free
     coordinator = manager.coordinator
     calls = []
@@ -394,6 +412,8 @@ def admit_and_free_a_prefix(manager: KVCacheManager) -> list[KVCacheBlock]:
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_admission_touches_its_hits_and_counts_their_tokens():
+    """Rule: the hits hold slots too, and admitting touches them: «touching them takes them out of it» (the
+    free queue), ref_cnt 1."""
     manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     hits = admit_and_free_a_prefix(manager)  # the free queue: 4-9, then a's 3, 2, 1
     b = make_ch02_request("b", list(range(8)) + [50, 51, 52])
@@ -416,6 +436,8 @@ def test_admission_touches_its_hits_and_counts_their_tokens():
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_a_refused_admission_leaves_its_hits_in_the_free_queue():
+    """Rule: «Cache hits that sit in the free queue (ref_cnt 0) count against the free pool too», and a
+    refusal «changes nothing else»: the hits stay in the queue."""
     manager = make_manager(num_gpu_blocks=5, max_model_len=100)  # 4 free
     hits = admit_and_free_a_prefix(manager)  # the free queue: 4, then a's 3, 2, 1
     b = make_ch02_request("b", list(range(8)) + list(range(50, 60)))
@@ -439,6 +461,7 @@ def test_a_refused_admission_leaves_its_hits_in_the_free_queue():
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_only_final_tokens_are_cached():
+    """Rule: «cache final tokens only»: «never a lookahead slot or a scheduled draft»."""
     manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     chunked = make_ch02_request("chunked", list(range(12)))
     manager.allocate_slots(chunked, 3, num_lookahead_tokens=1)
@@ -469,6 +492,7 @@ def test_only_final_tokens_are_cached():
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
 def test_a_decode_step_that_fills_a_block_caches_it():
+    """Rule: every block the final tokens fill is committed «even when no new block is needed»."""
     manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     request = make_ch02_request("r", list(range(6)))
     manager.allocate_slots(request, 6)  # 2 blocks; block 0 full and cached
@@ -488,7 +512,74 @@ def test_a_decode_step_that_fills_a_block_caches_it():
 
 @pytest.mark.ch02_t3
 @pytest.mark.ch02
+def test_hits_at_the_front_of_the_free_queue_are_touched_before_allocating():
+    """Rule: «touch the hits before allocating» the fresh blocks: a hit still in the free queue could
+    otherwise be handed out again, to this very request."""
+    manager = make_manager(num_gpu_blocks=6, max_model_len=100)  # 5 free
+    hits = admit_and_free_a_prefix(manager)  # a held blocks 1, 2, 3; the free queue: 4, 5, then 3, 2, 1
+    x = make_ch02_request("x", list(range(100, 108)))
+    manager.allocate_slots(x, 8)  # blocks 4 and 5
+    manager.free(x)  # the free queue: 3, 2, 1, 5, 4 (the hits 2 and 1 near its front)
+    b = make_ch02_request("b", list(range(8)) + list(range(50, 58)))
+    fresh = manager.allocate_slots(b, 8, 8, KVCacheBlocks((hits,)))
+    handed_out = None if fresh is None else ids_of(fresh)
+    assert handed_out == [3, 5], (
+        f"b's 16 slots need its 2 hits (blocks 1, 2) and 2 fresh blocks; allocate_slots handed out {handed_out}: "
+        "with the hits touched first, the fresh ones are the front of what is left of the queue, 3 and 5 "
+        "(touch the hits before allocating, or the pool hands a hit out again)"
+    )
+    assert block_ids(manager, "b") == [1, 2, 3, 5], "b's block list is its 2 hits, then its 2 fresh blocks"
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_every_group_must_fit():
+    """Rule: count the blocks «every group» needs against the free pool: a chunk that fits in one group's
+    blocks but not in all of them is refused, and nothing changes."""
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, **HEADS)
+    config = KVCacheConfig(6, [], [KVCacheGroupSpec(["a.0"], spec), KVCacheGroupSpec(["b.0"], spec)])
+    manager = KVCacheManager(config, max_model_len=100, enable_caching=False)  # 5 free
+    request = make_ch02_request("r", list(range(12)))
+    try:
+        fresh = manager.allocate_slots(request, 12)
+    except ValueError as error:
+        raise AssertionError(
+            f"allocate_slots raised {error!r}: 12 tokens need 3 blocks in each of the 2 groups, 6 in all, and "
+            "5 are free; count every group's blocks and return None"
+        ) from error
+    assert fresh is None, (
+        "12 tokens need 3 blocks in each of the 2 groups, 6 in all, and 5 are free: refuse (return None)"
+    )
+    assert manager.block_pool.get_num_free_blocks() == 5 and manager.get_block_ids("r") == ([], []), (
+        "a refused request must take no block in any group"
+    )
+    assert manager.allocate_slots(make_ch02_request("s", list(range(8))), 8) is not None, (
+        "8 tokens need 2 blocks in each group, 4 in all, and 5 are free: admit"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
+def test_an_admission_caches_what_its_hits_and_new_tokens_fill():
+    """Rule: the tokens to cache «count this step's hits»: after an admission, the request's hits and new
+    tokens are all final, and every block they fill is cached."""
+    manager = make_manager(num_gpu_blocks=10, max_model_len=100)
+    hits = admit_and_free_a_prefix(manager)
+    b = make_ch02_request("b", list(range(8)) + [50, 51, 52, 53])
+    manager.allocate_slots(b, 4, 8, KVCacheBlocks((hits,)))
+    hashed = [block.block_hash is not None for block in group_blocks(manager)["b"]]
+    assert hashed == [True, True, True], (
+        f"the blocks with hashes are {hashed}: b's 2 hits hold tokens 0-7 and this step computes tokens 8-11, "
+        "which fill block 2, so block 2 must be cached too (count the hits' 8 tokens, not just "
+        "request.num_computed_tokens = 0)"
+    )
+
+
+@pytest.mark.ch02_t3
+@pytest.mark.ch02
 def test_full_sequence_must_fit_checks_the_whole_prompt_but_allocates_the_chunk():
+    """Rule: with `full_sequence_must_fit`, None «unless the free pool could hold the request's whole
+    sequence»; «it still allocates only this chunk's blocks»."""
     manager = make_manager(num_gpu_blocks=5, max_model_len=100, enable_caching=False)  # 4 free
     too_long = make_ch02_request("too_long", list(range(20)))
     assert manager.allocate_slots(too_long, 4, full_sequence_must_fit=True) is None, (
@@ -785,6 +876,8 @@ def check_refused(manager: KVCacheManager, fresh: KVCacheBlocks | None, before) 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_gpu_blocks=st.integers(2, 24))
 def test_allocator_against_reference(data, num_gpu_blocks):
+    """Rule: «a slot for every token in every group, or None and nothing changed», over random workloads,
+    against a brute-force model of the pool."""
     run_random_workload(data, enable_caching=False, num_gpu_blocks=num_gpu_blocks)
 
 
@@ -801,6 +894,7 @@ def test_prefix_cache_against_reference(data, num_gpu_blocks):
 @pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_only_full_blocks_get_hashes():
+    """Rule: «a partial last block gets no hash until it fills»."""
     request = make_request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     num_hashes = len(request.block_hashes)
     assert num_hashes == 2, (
@@ -822,6 +916,7 @@ def test_only_full_blocks_get_hashes():
 @pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_block_hashes_chain_from_the_previous_block():
+    """Rule: «the parent is block i - 1's hash (None for block 0)»: «so a hash names its whole prefix»."""
     request = make_request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert request.block_hashes[0] == hash_block_tokens(None, [1, 2, 3, 4]), (
         "block 0 has no parent: its hash is hash_block_tokens(None, its tokens)"
@@ -850,6 +945,8 @@ def test_block_hash_names_its_history_and_extra_keys():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_fully_cached_prompt_recomputes_its_last_block():
+    """Rule: the hit is «at most `max_num_blocks` whole blocks» of max_length tokens: a fully cached prompt
+    recomputes its last block."""
     manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     first = make_request("a", list(range(8)))
     hits, num_hit_tokens = manager.get_computed_blocks(first)
@@ -873,6 +970,7 @@ def test_fully_cached_prompt_recomputes_its_last_block():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_the_first_miss_ends_the_hit():
+    """Rule: «hits from the first block up to the first miss»: a cached block after a miss is not a hit."""
     manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     a = make_request("a", list(range(13)))  # 3 full blocks, then 1 token
     manager.allocate_slots(a, 13)
@@ -893,6 +991,8 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
     # 3 usable blocks. A caches all 3 and finishes; B hits all 3 (still free, ref 0)
     # and needs a 4th. Counting only the 4th as "new" would say yes, then touching
     # the hits would leave nothing to allocate it from.
+    """Rule: «hits from the first block up to the first miss», free-queue blocks included (they are found,
+    then count against the free space)."""
     manager = make_manager(num_gpu_blocks=4, max_model_len=100)
     a = make_request("a", list(range(12)))
     manager.allocate_slots(a, 12)
@@ -912,6 +1012,8 @@ def test_hits_sitting_in_the_free_queue_count_against_free_space():
 @pytest.mark.ch03_t2
 @pytest.mark.ch03
 def test_eviction_is_lru_and_tail_first():
+    """Rule: «hits from the first block up to the first miss»: a block evicted from the middle of a prefix
+    ends the hit there."""
     manager = make_manager(num_gpu_blocks=7, max_model_len=100)
     pool = manager.block_pool
     a = make_request("a", [1] * 8 + [0])  # blocks 1, 2 full; block 3 partial
@@ -957,6 +1059,8 @@ def test_caching_disabled_never_hits_or_hashes():
 @pytest.mark.ch03_t1
 @pytest.mark.ch03
 def test_lookahead_slots_are_not_cached():
+    """Rule: «hash each newly full block»: a block filled only by lookahead slots is not full of tokens and
+    gets no hash."""
     manager = make_manager(num_gpu_blocks=10, max_model_len=100)
     a = make_request("a", list(range(6)))
     manager.allocate_slots(a, 6, num_lookahead_tokens=6)  # 12 slots -> 3 blocks

@@ -93,6 +93,8 @@ def one_completion(processed: OutputProcessorOutput) -> tuple[str, str | None, s
 
 
 def test_a_stop_string_across_three_steps_is_held_back_then_cut():
+    """Rule: a stop string «may have begun in an earlier step»: the text that may be its start is «held-back»
+    until it is known, and «its text ends before the stop string»."""
     frontend = Frontend()
     frontend.add("r", SamplingParams(stop=["abc"]))  # CUMULATIVE: each output shows all the text so far
     pieces = ["x", "a", "b", "y", "a", "b"]
@@ -124,6 +126,8 @@ def test_a_stop_string_across_three_steps_is_held_back_then_cut():
 
 
 def test_include_stop_str_in_output_and_a_stop_inside_one_token():
+    """Rule: «its text ends before the stop string, or after it with `include_stop_str_in_output`», also when
+    the stop string lies inside one token's text."""
     frontend = Frontend()
     frontend.add("r", SamplingParams(stop=["abc"], include_stop_str_in_output=True))
     assert one_completion(frontend.step(frontend.output("r", "x"))) == ("x", None, None), (
@@ -144,6 +148,8 @@ def test_include_stop_str_in_output_and_a_stop_inside_one_token():
 
 
 def test_the_stop_string_is_left_out_and_the_text_after_it_dropped():
+    """Rule: «its text ends before the stop string»: the stop string and whatever followed it in the step are
+    dropped; «finish reason "stop" and the stop string as stop reason»."""
     frontend = Frontend()
     frontend.add("r", SamplingParams(stop=["ab", "b!"], output_kind=DELTA))
     streamed = one_completion(frontend.step(frontend.output("r", "xy")))[0]
@@ -161,6 +167,8 @@ def test_the_stop_string_is_left_out_and_the_text_after_it_dropped():
 
 
 def test_a_stop_in_the_step_the_core_ended_the_request_is_not_aborted():
+    """Rule: a stop string wins «even if the core finished it for another reason in this step», but «Not those
+    the core finished itself» go into `reqs_to_abort`."""
     frontend = Frontend()
     frontend.add("r", SamplingParams(stop=["b"]))
     frontend.step(frontend.output("r", "x"))
@@ -177,6 +185,8 @@ def test_a_stop_in_the_step_the_core_ended_the_request_is_not_aborted():
 
 
 def test_only_the_request_a_stop_string_ended_is_aborted_and_its_late_output_dropped():
+    """Rule: «`reqs_to_abort` lists the requests a stop string finished here while the core still runs them»;
+    «One of a request this processor no longer holds is dropped»."""
     frontend = Frontend()
     frontend.add("stopped", SamplingParams(stop=["!"]))
     frontend.add("running", SamplingParams(stop=["!"]))
@@ -215,6 +225,7 @@ def test_only_the_request_a_stop_string_ended_is_aborted_and_its_late_output_dro
 
 
 def test_final_only_parent_waits_for_all_its_children():
+    """Rule: «a FINAL_ONLY request gets only its final one, once all n completions are finished»."""
     frontend = Frontend()
     frontend.add("p", SamplingParams(n=2, output_kind=FINAL_ONLY), prompt_len=20)
     # Child 0 found 16 of the prompt's tokens cached; child 1, admitted before they were, none.
@@ -250,6 +261,8 @@ def test_final_only_parent_waits_for_all_its_children():
 
 
 def test_children_in_one_step_make_one_output_for_their_parent():
+    """Rule: «one `RequestOutput` per user request that got output in this step, in the order of their first
+    outputs»."""
     frontend = Frontend()
     frontend.add("p", SamplingParams(n=2, output_kind=DELTA))
     streams = [[], []]
@@ -278,6 +291,7 @@ def test_children_in_one_step_make_one_output_for_their_parent():
 
 
 def test_final_only_single_request_and_logprobs():
+    """Rule: «a FINAL_ONLY request gets only its final one»: «every token id (and logprob) so far»."""
     frontend = Frontend()
     frontend.add("r", SamplingParams(logprobs=1, output_kind=FINAL_ONLY))
     first = EngineCoreOutput("r", frontend.tokenizer.ids("a"), [{1: -0.5}])
@@ -300,6 +314,8 @@ def test_final_only_single_request_and_logprobs():
 
 
 def test_each_output_is_counted_in_the_iteration_stats():
+    """Rule: «count it in `iteration_stats`, if given (`IterationStats.update_from_output`)», every output of
+    the step."""
     frontend = Frontend()
     frontend.add("r1", SamplingParams(), prompt_len=3)
     frontend.add("r2", SamplingParams(), prompt_len=5)
@@ -353,6 +369,8 @@ pieces = st.text(alphabet="ab", max_size=2)
 def test_random_streams_agree_with_decoding_everything_and_cutting_at_the_first_stop(
     steps, stop, include, kind
 ):
+    """Rule: «look for a stop string that the new text completes; it may have begun in an earlier step»: over
+    random streams, the text is the whole decoded text cut at the first stop string."""
     frontend = Frontend()
     frontend.add("r", SamplingParams(stop=stop, include_stop_str_in_output=include, output_kind=kind))
     end, final_text, stop_str = brute_force(steps, stop, include)
@@ -405,6 +423,8 @@ def llm():
 
 
 def test_engine_stops_at_a_stop_string_and_the_core_lets_go(llm):
+    """Rule: «the core would otherwise go on generating, and holding their KV blocks, until max_tokens»:
+    through the engine, a stop string ends the request and the core frees it."""
     prompt = "def fibonacci(n):\n"
     (whole,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     token_ids = whole.outputs[0].token_ids

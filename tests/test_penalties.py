@@ -54,8 +54,8 @@ def check(
 
 
 def test_repetition_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
-    """Rule: repetition divides a positive logit and multiplies a negative one, for tokens of the
-    prompt or the output; tokens seen in neither keep their logit."""
+    """Rule: «a positive logit is divided by the penalty, a negative one multiplied by it», for tokens of the
+    prompt or the output; «a token seen in neither is untouched»."""
     logits = [[2.0, -2.0, 3.0, -1.0, 0.5, -0.5]]
     check(logits, [[0, 1]], [{2: 1, 3: 2}], [(0.0, 0.0, 2.0)])
     # A penalty below 1 favours the seen tokens, by the same rule.
@@ -63,8 +63,8 @@ def test_repetition_divides_positive_and_multiplies_negative_logits_of_seen_toke
 
 
 def test_frequency_and_presence_count_output_tokens_only():
-    """Rule: frequency subtracts frequency x count and presence subtracts presence once (not per
-    count), on output tokens only; a token only in the prompt loses nothing to either."""
+    """Rule: frequency subtracts frequency x count and presence subtracts presence «once if the count is at
+    least 1», «on output tokens only»; a token only in the prompt loses nothing to either."""
     logits = [[1.0, 1.0, 1.0, 1.0, -1.0]]
     check(logits, [[0, 1]], [{1: 3, 2: 1, 4: 2}], [(0.5, 0.25, 1.0)])
     # Negative penalties reward the same tokens.
@@ -72,7 +72,11 @@ def test_frequency_and_presence_count_output_tokens_only():
 
 
 def test_every_row_has_its_own_penalties_and_neutral_rows_are_unchanged():
-    """Rules together, per row: repetition first on prompt or output tokens, then frequency and
+    """Rule: the penalties are «per row», applied «In this order»: repetition on prompt or output tokens, then
+    frequency and presence on output tokens; «A neutral row (repetition 1, frequency 0, presence 0) is
+    unchanged».
+
+    Rules together, per row: repetition first on prompt or output tokens, then frequency and
     presence on output tokens; a row with repetition 1, frequency 0, presence 0 is unchanged."""
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(4, 12, generator=generator) * 3).tolist()

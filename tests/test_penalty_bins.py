@@ -67,7 +67,7 @@ def check_bins(batch: InputBatch, states: dict[str, CachedRequestState], when: s
 
 @pytest.mark.ch05_t3
 def test_a_request_joining_a_row_gets_only_its_own_bins():
-    """Rule: a row that joined is rebuilt, prompt_mask True exactly at its prompt's tokens and
+    """Rule: a row that joined «is rebuilt»: «`prompt_mask[row]` True exactly at its prompt's tokens»,
     output_bin_counts zero, whatever the row's previous request left there."""
     batch = make_batch()
     states = {"a": request("a", [1, 2, 3]), "b": request("b", [4, 4])}
@@ -87,8 +87,8 @@ def test_a_request_joining_a_row_gets_only_its_own_bins():
 
 @pytest.mark.ch05_t3
 def test_each_sampled_token_is_counted_exactly_once():
-    """Rule: every refresh counts only the output tokens sampled since the last one, each once,
-    even when several came at once or the same token came twice; a refresh with none adds nothing."""
+    """Rule: «every row counts the output tokens it sampled since the last refresh», «each exactly once», even
+    when several came at once or «the same token may come twice»; a refresh with none adds nothing."""
     batch = make_batch()
     states = {"a": request("a", [1])}
     batch.add_request(states["a"])
@@ -107,8 +107,8 @@ def test_each_sampled_token_is_counted_exactly_once():
 
 @pytest.mark.ch05_t3
 def test_a_resumed_request_counts_the_output_it_already_had():
-    """Rule: a request that joins with output tokens already sampled (resumed after preemption)
-    counts all of them, repeats included, at the next refresh."""
+    """Rule: «a resumed request brings all its earlier ones»: a request that joins with output tokens already
+    sampled counts all of them, repeats included, at the next refresh."""
     batch = make_batch()
     states = {"a": request("a", [1, 2], [3, 3, 4])}
     batch.add_request(states["a"])
@@ -124,7 +124,10 @@ def test_a_resumed_request_counts_the_output_it_already_had():
 @pytest.mark.ch05_t3
 @pytest.mark.parametrize("seed", range(3))
 def test_bins_equal_a_rebuild_after_random_adds_removes_condenses_and_samples(seed):
-    """Rules together: rows that joined are rebuilt, condense moves each row's bins with it,
+    """Rule: rows that joined are rebuilt, «condense has moved each row's bins with it», and every refresh
+    counts each new output token «exactly once», against bins rebuilt from scratch.
+
+    Rules together: rows that joined are rebuilt, condense moves each row's bins with it,
     and every refresh counts each new output token once."""
     rng = random.Random(seed)
     batch = make_batch(max_num_reqs=6)

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.ch04
 def test_scheduler_invariants_and_outputs(
     seed, block_size, budget, max_seqs, caching, abort_prob, policy, reserve_full_isl
 ):
+    """Rule: «What it lacks», and «No prompt may hog a step» «Nor outgrow the context»: over random workloads,
+    the scheduler's invariants hold and every request gets its outputs."""
     rng = random.Random(seed)
     max_prompt, max_out = 40, 12
     max_model_len = 3 * 16 + max_prompt + max_out + 1
@@ -66,6 +68,8 @@ def test_scheduler_invariants_and_outputs(
 
 @pytest.mark.ch04_t2
 def test_chunked_prefill_splits_long_prompt_under_budget():
+    """Rule: «What it lacks», before the budget: a long prompt lacks all its tokens, and the budget cuts it
+    into chunks."""
     sched = make_scheduler(64, 4, budget=10, max_seqs=4, max_model_len=100, caching=False)
     runner = FakeModelRunner(4)
     req = Request("a", list(range(1, 26)), SamplingParams(max_tokens=2, ignore_eos=True), None)
@@ -83,6 +87,7 @@ def test_chunked_prefill_splits_long_prompt_under_budget():
 
 @pytest.mark.ch04_t2
 def test_decodes_and_prefill_share_one_step():
+    """Rule: «What it lacks»: a decode lacks one token, a new prompt all of its own."""
     sched = make_scheduler(64, 4, budget=8, max_seqs=4, max_model_len=100, caching=False)
     runner = FakeModelRunner(4)
     for rid in ("a", "b"):

@@ -63,6 +63,9 @@ def brute_force_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> lis
     k=st.integers(1, 5),
 )
 def test_ngram_proposer_matches_brute_force(rows, min_n, extra_n, k):
+    """Rule: «The longest n in [min_n, max_n] that occurs earlier wins»; «the latest followed by k known
+    tokens is preferred to the latest overall»; «fewer than k when the occurrence is close to the end,
+    0 when nothing matches», against brute force."""
     width = max(map(len, rows)) + 3
     token_ids = np.full((len(rows), width), 7, dtype=np.int32)  # junk after each row's tokens
     for i, row in enumerate(rows):
@@ -99,6 +102,8 @@ def test_ngram_proposer_matches_brute_force(rows, min_n, extra_n, k):
     ],
 )  # fmt: skip
 def test_ngram_drafts_by_hand(tokens, min_n, max_n, k, expected, why):
+    """Rule: «the k tokens after the latest earlier occurrence of its last n tokens»; «an occurrence counts if
+    at least one known token follows it»."""
     token_ids = np.array([tokens + [0, 0]], dtype=np.int32)  # junk after the row's tokens
     drafts, num_drafts = find_ngram_drafts(token_ids, np.array([len(tokens)]), min_n, max_n, k)
     got = drafts[0, : num_drafts[0]].tolist()
@@ -239,6 +244,7 @@ def distribution_errors(output: np.ndarray, drafts: list[int], temperature: floa
 )
 @pytest.mark.ch10_t2
 def test_rejection_sampler_output_follows_the_target_distribution(drafts, temperature, top_k):
+    """Rule: «keep draft x with probability p(x), else redraw from p without x: output ~ p»."""
     output = run_distribution_trial(RejectionSampler(), drafts, temperature, top_k)
     errors = distribution_errors(output, drafts, temperature, top_k)
     positions = ("first token", "second token after draft 1 was kept", "bonus token after both were kept")
@@ -263,6 +269,8 @@ def test_wrong_rejection_samplers_fail_the_same_bound(wrong):
 
 @pytest.mark.ch10_t2
 def test_seeded_request_does_not_depend_on_the_batch():
+    """Rule: «a redraw uses the draft's generator»: «a seeded request's tokens do not depend on the batch
+    around it»."""
     torch.manual_seed(0)
     vocab = 32
     row_logits = torch.randn(3, vocab) * 0.3  # flat: many different outcomes

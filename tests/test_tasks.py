@@ -23,6 +23,7 @@ EOS = 2
 @pytest.mark.ch04
 @pytest.mark.ch04_t2
 def test_long_prefill_threshold_caps_every_chunk_of_a_running_request():
+    """Rule: «`long_prefill_token_threshold` (0: none) caps every chunk, a running request's too»."""
     sched = make_scheduler(64, 4, budget=64, max_seqs=4, max_model_len=100, caching=False)
     sched.long_prefill_token_threshold = 4
     runner = FakeModelRunner(4)
@@ -80,6 +81,9 @@ def test_long_prefill_threshold_caps_every_chunk_of_a_running_request():
 def test_get_num_new_tokens(
     waiting, prompt_len, num_outputs, num_drafts, num_computed, threshold, expected, why
 ):
+    """Rule: «What it lacks: its tokens, drafts included», past `num_computed_tokens`;
+    «`long_prefill_token_threshold` (0: none) caps every chunk»; «the token sampled after them must
+    stay below `max_model_len`»."""
     sched = make_scheduler(64, 4, budget=64, max_seqs=4, max_model_len=20, caching=False)
     sched.long_prefill_token_threshold = threshold
     request = Request("r", [5] * prompt_len, SamplingParams(max_tokens=10, ignore_eos=True), None)
@@ -151,6 +155,10 @@ def decode(prompt_len: int, outputs: list[int], max_model_len: int, why: str, **
     ],
 )  # fmt: skip
 def test_check_stop(prompt_len, outputs, max_model_len, params, status, stop_reason, why):
+    """Rule: «A length limit (`request.num_tokens` reaching `max_model_len`, or `max_tokens` output tokens)
+    finishes it FINISHED_LENGTH_CAPPED, and outranks a stop»; «the EOS token (unless `ignore_eos`)» and
+    «a stop token id» finish it FINISHED_STOPPED, «with `stop_reason` set to that id» for a stop token
+    only."""
     request = decode(prompt_len, outputs, max_model_len, why, **params)
     assert (request.status, request.stop_reason) == (status, stop_reason), (
         f"{why}: expected {status.name} with stop_reason {stop_reason}, "
@@ -161,6 +169,7 @@ def test_check_stop(prompt_len, outputs, max_model_len, params, status, stop_rea
 @pytest.mark.ch04
 @pytest.mark.ch04_t1
 def test_check_stop_keeps_an_unfinished_request_running():
+    """Rule: «A request that goes on keeps its status, and the answer is False»."""
     request = decode(
         3, [7, 8, 9], 100, "no limit is reached and no stop token sampled", max_tokens=10, stop_token_ids=[12]
     )
@@ -174,6 +183,7 @@ def test_check_stop_keeps_an_unfinished_request_running():
 @pytest.mark.ch05_t1
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_compute_slot_mapping_matches_a_loop(block_size):
+    """Rule: «Cache slot of each scheduled token: block_table[req, pos // B] * B + pos % B», with «no loop»."""
     rng = np.random.default_rng(block_size)
     max_num_reqs, max_blocks = 5, 7
     table = BlockTable(block_size, max_num_reqs, max_blocks, 64, pin_memory=False, device=torch.device("cpu"))

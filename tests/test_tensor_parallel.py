@@ -284,7 +284,10 @@ def test_vocab_parallel_layers_give_the_whole_vocabulary(tp2_llama, checkpoints,
 
 @pytest.mark.ch13_t2
 def test_row_parallel_linear_sums_the_ranks_once(checkpoints):
-    """Each rank multiplies its slice of the input; the all-reduce makes the whole output, bias once.
+    """Rule: «this rank's partial product, with the bias added on one rank only (rank 0), then summed over the
+    ranks by one all-reduce».
+
+    Each rank multiplies its slice of the input; the all-reduce makes the whole output, bias once.
 
     On an engine of its own: a failing forward ends its workers (fail-stop), and the shared
     engine must survive for the other tests."""
@@ -341,9 +344,6 @@ def check_qkv_shards(
     v = torch.randn(num_kv_heads * head_size, hidden, generator=generator)
     biases = [torch.randn(t.shape[0], generator=generator) for t in (q, k, v)]
 
-    def rows(tensor: torch.Tensor, heads: list[int]) -> torch.Tensor:
-        return torch.cat([tensor[h * head_size : (h + 1) * head_size] for h in heads])
-
     for rank in range(tp_size):
         with as_rank(rank, tp_size):
             layer = QKVParallelLinear(hidden, head_size, num_heads, num_kv_heads, bias=True)
@@ -351,12 +351,30 @@ def check_qkv_shards(
             layer.weight_loader(layer.weight, weight, shard_id)
             layer.weight_loader(layer.bias, bias, shard_id)
         q_heads, kv_heads = heads_of_rank(rank, tp_size, num_heads, num_kv_heads)
-        expected = torch.cat([rows(q, q_heads), rows(k, kv_heads), rows(v, kv_heads)])
-        expected_bias = torch.cat(
-            [rows(b[:, None], h)[:, 0] for b, h in zip(biases, (q_heads, kv_heads, kv_heads))]
+        start = 0
+        for shard_id, tensors, heads in zip("qkv", zip((q, k, v), biases), (q_heads, kv_heads, kv_heads)):
+            end = start + len(heads) * head_size
+            for name, param, whole in zip(("weight", "bias"), (layer.weight, layer.bias), tensors):
+                found = [
+                    head_found(param[row : row + head_size], whole, head_size)
+                    for row in range(start, min(end, param.shape[0]), head_size)
+                ]
+                assert found == heads, (
+                    f"rank {rank} of {tp_size} ({num_heads} q heads, {num_kv_heads} kv heads): the {shard_id} "
+                    f"shard's {name} rows must hold {shard_id} heads {heads}, and hold {found}"
+                )
+            start = end
+        assert start == layer.weight.shape[0], (
+            f"rank {rank} of {tp_size}: {layer.weight.shape[0]} rows, not {start}"
         )
-        assert torch.equal(layer.weight, expected), f"rank {rank} of {tp_size}: wrong weight rows"
-        assert torch.equal(layer.bias, expected_bias), f"rank {rank} of {tp_size}: wrong bias rows"
+
+
+def head_found(block: torch.Tensor, whole: torch.Tensor, head_size: int) -> int | str:
+    """Which head of `whole` the rows `block` copy, or "?" (rows of no head of this shard)."""
+    for head in range(whole.shape[0] // head_size):
+        if torch.equal(block, whole[head * head_size : (head + 1) * head_size]):
+            return head
+    return "?"
 
 
 QKV_LAYOUTS = [
@@ -373,6 +391,9 @@ QKV_LAYOUTS = [
 @pytest.mark.ch13_t1
 @pytest.mark.parametrize("tp_size, num_heads, num_kv_heads", QKV_LAYOUTS)
 def test_qkv_weight_loader_gives_each_rank_its_heads(tp_size, num_heads, num_kv_heads):
+    """Rule: «Rank r holds query heads `[r * num_heads, (r + 1) * num_heads)`» and KV heads «with `s = r //
+    num_kv_head_replicas`», each shard's rows at «the shard's place in the fused parameter», weight and
+    bias."""
     check_qkv_shards(tp_size, num_heads, num_kv_heads)
 
 
@@ -393,7 +414,10 @@ def test_qkv_check_catches_a_planted_bug(monkeypatch):
 
 @pytest.mark.ch13_t1
 def test_qkv_parallel_linear_matches_the_whole_layer(tp2_llama, checkpoints):
-    """In the engine's workers: the fused layer's output on each rank is its heads' slice of the whole output."""
+    """Rule: «copy this rank's heads of the q/k/v tensor into its place in the fused parameter»: in the
+    engine's workers, the fused layer's output on each rank is its heads' slice of the whole output.
+
+    In the engine's workers: the fused layer's output on each rank is its heads' slice of the whole output."""
     path = checkpoints["llama"]
     config = json.loads((Path(path) / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

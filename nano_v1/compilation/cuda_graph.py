@@ -115,6 +115,16 @@ class CUDAGraphWrapper:
         return getattr(self.runnable, name)
 
     def __call__(self, *args: Any) -> Any:
+        """Run `runnable(*args)`: through a graph when the step's `cudagraph_runtime_mode` is
+        this wrapper's and the step has a batch descriptor, eagerly otherwise.
+
+        The first call with a descriptor captures its graph (`self.capture`; each capture
+        counted in `compilation_counter.num_cudagraph_captured`) and returns the capture's
+        output. Later calls replay it (`self.replay`) and return the captured output tensors,
+        which the replay has just overwritten. A replay whose tensor inputs are not at the
+        addresses it was captured with raises an AssertionError saying the inputs moved: the
+        graph would read stale inputs.
+        """
         # BEGIN TASK ch08_t2: in this wrapper's mode, capture a batch size's graph once, then replay it
         forward_context = get_forward_context()
         descriptor = forward_context.batch_descriptor

@@ -132,9 +132,19 @@ class KVCacheManager:
         to the pool (sliding windows; a no-op for full attention), even if the rest fails:
         they would be dropped anyway, and freeing them first leaves more to allocate from.
 
+        Raises ValueError if `num_new_tokens` < 1: a scheduled request computes at least one
+        token, so 0 is the caller's bug.
+
         Returns None if the free pool cannot cover the new blocks of every group, and then
         changes nothing else. Cache hits that sit in the free queue (ref_cnt 0) count
         against the free pool too: touching them takes them out of it.
+
+        Once everything fits: touch the hits before allocating (a hit still in the free
+        queue could otherwise be handed out as a fresh block, to this very request), then
+        allocate, then, with prefix caching, commit to the cache every block the final
+        tokens fill. Those count this step's hits (`num_new_computed_tokens`) as well as
+        the computed and new tokens, never a lookahead slot or a scheduled draft (beyond
+        `request.num_tokens`), and are committed even when no new block is needed.
 
         With `full_sequence_must_fit` (the scheduler's `scheduler_reserve_full_isl`, on
         admission) it also returns None unless the free pool could hold the request's whole

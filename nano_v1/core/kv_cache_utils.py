@@ -273,7 +273,10 @@ class RequestBlockHasher:
 
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of blocks `len(request.block_hashes)`, ... that are now full (a partial
-        last block gets no hash until it fills)."""
+        last block gets no hash until it fills).
+
+        Block i's hash is `hash_block_tokens(parent, its tokens, its extra keys)`, where the
+        parent is block i - 1's hash (None for block 0): so a hash names its whole prefix."""
         # BEGIN TASK ch03_t1: hash each newly full block and its extra keys so a hash names its whole prefix
         block_size = self.block_size
         start = len(request.block_hashes) * block_size

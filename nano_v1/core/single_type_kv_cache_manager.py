@@ -147,6 +147,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
+        """Full attention: the cached blocks of `block_hashes` from the first block up to the
+        first miss (a miss ends the hit: every later hash names a prefix that includes it),
+        at most `max_num_blocks` whole blocks; each block found in every group."""
         assert isinstance(kv_cache_spec, FullAttentionSpec)
         computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         max_num_blocks = max_length // kv_cache_spec.block_size
@@ -201,7 +204,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         keys L - w + 1 .. L - 1 (w - 1 of them: the token itself is computed), i.e. the last
         ceil((w - 1) / block_size) blocks before L, and nothing older. So the hit ends at
         the rightmost such run; blocks left of the run come back as the null block. A run
-        that reaches block 0 is a hit even if shorter: no key before it exists.
+        that reaches block 0 is a hit even if shorter: no key before it exists. The hit is
+        at most `max_length` tokens (whole blocks): the coordinator passes the full-attention
+        hit there, which bounds this one.
         E.g. block size 4, w = 8, max_length 24: cached [_, 3, 8, _, 9, _] -> hit
         [null, 3, 8] of 12 tokens.
         """

@@ -353,6 +353,12 @@ class EngineCoreProc(EngineCore):
             self._process_engine_step()
 
     def _process_input_queue(self) -> None:
+        """Handle the client's messages (`_handle_client_request`) before a step, in order.
+
+        Idle (no unfinished request and no step in flight): block on the input queue until
+        there is work, handling each message (an abort leaves the core idle), without
+        spinning. Busy: take every message already queued, and never wait for more.
+        """
         # BEGIN TASK ch09_t1: idle, wait for work without spinning; busy, take all that is queued, never wait
         # Idle: block until a request arrives (no spinning). Busy: take what is there, don't wait.
         # A step still in flight (chapter 14) is work: its output must be collected.
@@ -371,6 +377,15 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait(outputs)
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        """Do what one client message asks.
+
+        ADD adds the request and ABORT aborts the listed ids: neither is answered (an abort
+        that empties the batch sends the scheduler's stats, as no step will). UTILITY
+        `(call_id, method_name, args)` calls the core's method by name and answers with a
+        `UtilityOutput` under its call id: the result, or, if the call raised, a
+        `failure_message` that names the method. A failed call is answered, not fatal: the
+        core goes on. EXECUTOR_FAILED raises EngineDeadError.
+        """
         # BEGIN TASK ch09_t2: add, abort, or call a method by name; a failed call is answered, not fatal
         if request_type == EngineCoreRequestType.ADD:
             self.add_request(request)

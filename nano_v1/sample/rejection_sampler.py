@@ -98,7 +98,13 @@ class RejectionSampler(nn.Module):
         req_of_token: torch.Tensor,
         sampling_metadata: SamplingMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per draft: accepted with probability p(draft), else a draw from p without it."""
+        """Per draft: accepted with probability p(draft), else a draw from p without it.
+
+        `uniform` and `token_generators` (below) hold each draft's random draw and, for a
+        seeded request, its generator: a redraw uses the draft's generator
+        (`random_sample(..., token_generators)`), so a seeded request's tokens do not depend
+        on the batch around it.
+        """
         md = sampling_metadata
         assert md.temperature is not None
         # Each request's settings, repeated for each of its drafts.

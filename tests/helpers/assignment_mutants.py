@@ -189,6 +189,39 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="coordinator.allocate_new_blocks(request_id, num_tokens_to_check)",
         ),
         Mutant(
+            "touches_hits_after_allocating",
+            "touches the cache hits after allocating the fresh blocks: a hit still in the free queue can be handed out again",
+            old="""        if self.enable_caching:
+            self.block_pool.touch(new_computed_block_list)
+        else:
+            assert not any(new_computed_block_list), "cache hits without prefix caching"
+        coordinator.save_new_computed_blocks(request_id, new_computed_block_list)
+        # Most decode steps fit in the last block: 15 of 16 with block_size 16.
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+""",
+            new="""        coordinator.save_new_computed_blocks(request_id, new_computed_block_list)
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_block_list)
+""",
+        ),
+        Mutant(
+            "counts_group_0_only",
+            "checks only the first group's blocks against the free pool: with several groups, too many are allocated",
+            old="""coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_to_check, new_computed_block_list
+        )""",
+            new="""self._first_manager.get_num_blocks_to_allocate(
+            request_id, num_tokens_to_check, new_computed_block_list[0]
+        )""",
+        ),
+        Mutant(
+            "caches_without_the_hits",
+            "counts the final tokens from request.num_computed_tokens, forgetting this step's cache hits",
+            old="num_final_tokens = num_computed_tokens + num_new_tokens\n",
+            new="num_final_tokens = request.num_computed_tokens + num_new_tokens\n",
+        ),
+        Mutant(
             "skips_remove_skipped_blocks",
             "never hands back the blocks no query can see (a sliding window's): they stay held",
             old="        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)\n",
@@ -551,6 +584,24 @@ MUTANTS: dict[str, list[Mutant]] = {
             old="    ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)\n"
             "    return output\n",
             new="    return suffix_output\n",
+        ),
+        Mutant(
+            "prefix_max_seqlen_q_of_one_request",
+            "gives the prefix pass the longest request's query count as max_seqlen_q, not the whole batch's",
+            old="max_seqlen_q=num_tokens,",
+            new="max_seqlen_q=max_query_len,",
+        ),
+        Mutant(
+            "prefix_max_seqlen_k_of_the_context",
+            "gives the prefix pass the longest whole context as max_seqlen_k, though it reads the prefix only",
+            old="max_seqlen_k=common_prefix_len,",
+            new="max_seqlen_k=max_kv_len,",
+        ),
+        Mutant(
+            "suffix_max_seqlen_k_counts_the_prefix",
+            "gives the suffix pass the longest whole context as max_seqlen_k, counting the prefix it skips",
+            old="max_seqlen_k=max_kv_len - common_prefix_len,",
+            new="max_seqlen_k=max_kv_len,",
         ),
     ],
     "ch08_t1": [

@@ -22,6 +22,11 @@ blocks (a shared system prompt), attention splits into a pass of all queries ove
 shared prefix, which reads the prefix once for the whole batch instead of once per
 request, and a pass of each request over its own suffix; the two are merged with their
 log-sum-exps. `use_cascade_attention` is vLLM's rule for when that pays.
+
+What differs from v0.11.0: vLLM's builder precomputes the cascade passes' query ranges
+and key lengths (`cu_prefix_query_lens`, `prefix_kv_lens`, `suffix_kv_lens`) once per
+step; here `cascade_attention` derives them from the step's own lengths (chapter 07's
+task ch07_t3), and the reference kernel plans both passes itself.
 """
 
 from __future__ import annotations
@@ -110,19 +115,13 @@ class FlashAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     # Cascade attention (chapter 07): the first `common_prefix_len` tokens (whole blocks) of
-    # every request are the same blocks. The prefix pass sees all tokens as one request
-    # (`cu_prefix_query_lens` = [0, num_actual_tokens]) over `prefix_kv_lens` = [common_prefix_len];
-    # the suffix pass sees each request over its `suffix_kv_lens` = seq_lens - common_prefix_len.
+    # every request are the same blocks; `cascade_attention` derives each pass's arguments.
     use_cascade: bool
     common_prefix_len: int
-    cu_prefix_query_lens: torch.Tensor | None  # [2] int32
-    prefix_kv_lens: torch.Tensor | None  # [1] int32
-    suffix_kv_lens: torch.Tensor | None  # [num_reqs] int32
-    # The reference kernel's host-side plans (vLLM: FA3's scheduler_metadata), made once per
-    # step: for the plain pass, or the suffix pass under cascade; and for the prefix pass.
-    # None with the Triton kernel, which plans on the device.
+    # The reference kernel's host-side plan of the plain pass (vLLM: FA3's scheduler_metadata),
+    # made once per step. None with the Triton kernel, which plans on the device, and under
+    # cascade, whose passes the reference kernel plans itself.
     batch_split: reference.BatchSplit | None
-    prefix_batch_split: reference.BatchSplit | None
     causal: bool = True
 
 
@@ -142,21 +141,11 @@ class FlashAttentionMetadataBuilder:
     ) -> FlashAttentionMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
-        query_start_loc_cpu = m.query_start_loc_cpu[: num_reqs + 1]
-        seq_lens_cpu = m.seq_lens_cpu[:num_reqs]
         use_cascade = common_prefix_len > 0
         plan = self.plan_batch_split
-        cu_prefix_query_lens = prefix_kv_lens = suffix_kv_lens = prefix_batch_split = None
-        kv_lens_cpu = seq_lens_cpu  # what the plain pass, or the suffix pass, attends over
-        if use_cascade:
-            cu_prefix_query_lens_cpu = torch.tensor([0, m.num_actual_tokens], dtype=torch.int32)
-            prefix_kv_lens_cpu = torch.tensor([common_prefix_len], dtype=torch.int32)
-            kv_lens_cpu = seq_lens_cpu - common_prefix_len
-            cu_prefix_query_lens = cu_prefix_query_lens_cpu.to(self.device, non_blocking=True)
-            prefix_kv_lens = prefix_kv_lens_cpu.to(self.device, non_blocking=True)
-            suffix_kv_lens = kv_lens_cpu.to(self.device, non_blocking=True)
-            if plan is not None:
-                prefix_batch_split = plan(cu_prefix_query_lens_cpu, prefix_kv_lens_cpu, self.device)
+        batch_split = None
+        if plan is not None and not use_cascade:
+            batch_split = plan(m.query_start_loc_cpu[: num_reqs + 1], m.seq_lens_cpu[:num_reqs], self.device)
         return FlashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -167,11 +156,7 @@ class FlashAttentionMetadataBuilder:
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             use_cascade=use_cascade,
             common_prefix_len=common_prefix_len,
-            cu_prefix_query_lens=cu_prefix_query_lens,
-            prefix_kv_lens=prefix_kv_lens,
-            suffix_kv_lens=suffix_kv_lens,
-            batch_split=None if plan is None else plan(query_start_loc_cpu, kv_lens_cpu, self.device),
-            prefix_batch_split=prefix_batch_split,
+            batch_split=batch_split,
             causal=m.causal,
         )
 
@@ -260,16 +245,12 @@ class FlashAttentionImpl:
             value_cache,
             cu_query_lens=attn_metadata.query_start_loc,
             max_query_len=attn_metadata.max_query_len,
-            cu_prefix_query_lens=attn_metadata.cu_prefix_query_lens,
-            prefix_kv_lens=attn_metadata.prefix_kv_lens,
-            suffix_kv_lens=attn_metadata.suffix_kv_lens,
+            seq_lens=attn_metadata.seq_lens,
             max_kv_len=attn_metadata.max_seq_len,
             softmax_scale=self.scale,
             block_table=attn_metadata.block_table,
             common_prefix_len=attn_metadata.common_prefix_len,
             ops=ops,
-            prefix_split=attn_metadata.prefix_batch_split,
-            suffix_split=attn_metadata.batch_split,
         )
         return output
 
@@ -338,27 +319,28 @@ def cascade_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     cu_query_lens: torch.Tensor,  # [num_reqs + 1] int32
     max_query_len: int,
-    cu_prefix_query_lens: torch.Tensor,  # [2] int32: [0, num_tokens]
-    prefix_kv_lens: torch.Tensor,  # [1] int32: [common_prefix_len]
-    suffix_kv_lens: torch.Tensor,  # [num_reqs] int32: seq_lens - common_prefix_len
+    seq_lens: torch.Tensor,  # [num_reqs] int32: each request's whole context, prefix included
     max_kv_len: int,
     softmax_scale: float,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req] int32
     common_prefix_len: int,
     ops: AttentionOps,
-    prefix_split: reference.BatchSplit | None = None,
-    suffix_split: reference.BatchSplit | None = None,
 ) -> torch.Tensor:
     """Attention over a shared prefix plus per-request suffixes, in two passes and a merge.
 
-    Prefix pass: every query of the batch, taken as one request, attends without a mask
-    to the prefix blocks (row 0 of the block table: all rows start with the same blocks).
-    No mask is right because the prefix ends at or before every request's first query
-    (the runner caps it by the smallest `num_computed_tokens`). Suffix pass: each request
-    attends causally to its blocks after the prefix. Each pass returns its log-sum-exp,
-    and `merge_attn_states` combines them into attention over the whole context.
+    Every request's first `common_prefix_len` tokens (whole blocks) are the same blocks,
+    and the prefix ends at or before every request's first query (the runner caps it by
+    the smallest `num_computed_tokens`). Decide each pass's arguments to
+    `ops.unified_attention` (query ranges `cu_seqlens_q`, key lengths `seqused_k`, block
+    table, mask) so that the prefix is read once for the whole batch, and each request
+    then attends to its own blocks after the prefix; ask each pass for its log-sum-exp
+    (`return_lse=True`) and combine the two with `ops.merge_attn_states` into `output`.
+
+    A varlen kernel (FlashAttention's, which vLLM calls here) sizes its grid and tiles by
+    `max_seqlen_q` and `max_seqlen_k`: each must equal the longest query range and the
+    longest key length of the pass it is given, no more and no less.
     """
-    # BEGIN TASK ch07_t3: read the shared prefix once for the whole batch, then each suffix; merge the two
+    # BEGIN TASK ch07_t3: the prefix pass and the suffix pass, each with its own query ranges, key lengths and maxima; merge the two
     num_tokens = query.shape[0]
     block_size = key_cache.shape[1]
     assert common_prefix_len % block_size == 0, "the shared prefix is made of whole blocks"
@@ -371,11 +353,15 @@ def cascade_attention(
         "softmax_scale": softmax_scale,
         "return_lse": True,
     }
+    # vLLM's builder makes these once per step; here every layer does, so they are filled on
+    # the device: a copy from host memory would make the host wait for the GPU at every layer.
+    cu_prefix_query_lens = torch.zeros(2, dtype=torch.int32, device=query.device)
+    cu_prefix_query_lens[1] = num_tokens
+    prefix_kv_lens = torch.full((1,), common_prefix_len, dtype=torch.int32, device=query.device)
+    suffix_kv_lens = seq_lens - common_prefix_len
 
     prefix_output = torch.empty_like(query)
-    prefix_lse = _unified_attention(
-        ops,
-        prefix_split,
+    prefix_lse = ops.unified_attention(
         out=prefix_output,
         cu_seqlens_q=cu_prefix_query_lens,
         max_seqlen_q=num_tokens,
@@ -386,9 +372,7 @@ def cascade_attention(
         **common,
     )
     suffix_output = torch.empty_like(query)
-    suffix_lse = _unified_attention(
-        ops,
-        suffix_split,
+    suffix_lse = ops.unified_attention(
         out=suffix_output,
         cu_seqlens_q=cu_query_lens,
         max_seqlen_q=max_query_len,

@@ -325,6 +325,12 @@ class Scheduler:
     def _get_num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens `request` computes this step from `num_computed_tokens` on, before the budget.
 
+        What it lacks: its tokens, drafts included, and the output placeholders of async
+        scheduling (chapter 14), past `num_computed_tokens`. No prompt may hog a step:
+        `long_prefill_token_threshold` (0: none) caps every chunk, a running request's
+        too. Nor outgrow the context: the token sampled after them must stay below
+        `max_model_len`.
+
         Each pass cuts the answer to the budget left itself: without chunked prefill the
         waiting pass first checks the uncut count against the budget (vLLM v0.11.0's
         order: threshold, whole-prompt check, budget). A waiting request has no drafts

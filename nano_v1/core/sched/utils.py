@@ -15,6 +15,12 @@ from nano_v1.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set a finished status on `request` and return True if its last token ends it.
 
+    A length limit (`request.num_tokens` reaching `max_model_len`, or `max_tokens` output
+    tokens) finishes it FINISHED_LENGTH_CAPPED, and outranks a stop. Otherwise the EOS
+    token (unless `ignore_eos`) finishes it FINISHED_STOPPED with no `stop_reason`, and
+    a stop token id FINISHED_STOPPED with `stop_reason` set to that id. A request that
+    goes on keeps its status, and the answer is False.
+
     `min_tokens` is not checked here: the sampler's `MinTokensLogitsProcessor` never lets
     a request sample a stop token before its minimum, so one here is a real stop (as in
     vLLM v0.11.0).

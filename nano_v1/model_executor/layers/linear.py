@@ -191,6 +191,13 @@ class QKVParallelLinear(_ShardedColumnLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
+        """Copy this rank's heads of the checkpoint's q, k or v tensor (`shard_id`), weight or
+        bias, into the shard's place in the fused parameter.
+
+        Rank r holds query heads `[r * num_heads, (r + 1) * num_heads)` and KV heads
+        `[s * num_kv_heads, (s + 1) * num_kv_heads)` with `s = r // num_kv_head_replicas`
+        (ranks that share a replicated KV head hold the same one).
+        """
         self.check_shard_id(shard_id)
         num_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         check_shape(
@@ -231,6 +238,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard_size, shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [n, in / tp] (this rank's slice) -> [n, out]: this rank's partial product, with
+        the bias added on one rank only (rank 0), then summed over the ranks by one all-reduce."""
         # BEGIN TASK ch13_t2: this rank's partial product (the bias on one rank only), then the sum over ranks
         bias = self.bias if self.tp_rank == 0 else None
         output_parallel = F.linear(x, self.weight, bias)  # [num_tokens, output_size], this rank's share
