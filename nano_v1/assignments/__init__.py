@@ -13,8 +13,8 @@ region of whole statements:
 `make_student_copy` copies the repository and replaces the statements of the chosen
 tasks with `raise NotImplementedError("ch04_t2: <hint>")`, keeping both marker lines so
 that the copy can be listed, graded and stubbed again. The tasks of later chapters are
-stubbed too (their answers would sit in plain sight a few lines away); a chapter's tests
-never depend on a later chapter's task, so the chosen tasks' tests still run. Tests that exercise a task carry
+stubbed too (their answers would sit in plain sight a few lines away), all but those that
+earlier chapters' tests run through (NEEDED_BY_EARLIER_CHAPTERS). Tests that exercise a task carry
 its marker (`@pytest.mark.ch04_t2`) next to the chapter marker, and `grade` runs
 `pytest -m "ch04_t1 or ch04_t2"` with a small plugin that scores each task (see `grading`).
 
@@ -47,6 +47,16 @@ _IGNORED = shutil.ignore_patterns(
 )
 # Written into a student copy: the tasks it was made for, so `grade` knows what to run.
 ASSIGNMENT_FILE = "ASSIGNMENT.json"
+
+
+# Later tasks that a copy of an earlier chapter keeps as written, each with the reason: the
+# tests of earlier chapters' tasks run through them. The integrity check (tests/test_assignments.py)
+# proves that stubbing every other later task fails no test of a copy's own chapter.
+NEEDED_BY_EARLIER_CHAPTERS = {
+    "ch09_t3": "the LLM front door turns every step's tokens into text through it",
+    "ch13_t1": "loading any model fills the fused QKV weight through it, with one rank too",
+    "ch13_t2": "every model's forward runs its row-parallel layers (o_proj, down_proj) through it",
+}
 
 
 class TaskRegionError(ValueError):
@@ -195,9 +205,10 @@ def select_tasks(tasks: list[Task], selectors: list[str]) -> list[Task]:
 
 
 def later_tasks(tasks: list[Task], chosen: list[Task]) -> list[Task]:
-    """The tasks of chapters after the last chapter of `chosen`: a student copy stubs them too."""
+    """The tasks of chapters after the last chapter of `chosen` that a student copy stubs too:
+    all but NEEDED_BY_EARLIER_CHAPTERS."""
     last = max(t.chapter for t in chosen)
-    return [t for t in tasks if t.chapter > last]
+    return [t for t in tasks if t.chapter > last and t.task_id not in NEEDED_BY_EARLIER_CHAPTERS]
 
 
 def stub_source(text: str, tasks: list[Task]) -> str:

@@ -4,7 +4,8 @@ Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
 
     python -m nano_v1.assignments list
     python -m nano_v1.assignments make ch04 [ch05_t1 ...] --out ../nano_v1-ch04
-    cd ../nano_v1-ch04 && python -m nano_v1.assignments grade [--chapter-tests] [--verbose] [--json score.json] [-- -x]
+    cd ../nano_v1-ch04
+    python -m nano_v1.assignments grade [--chapter-tests] [--verbose] [--json score.json] [-- -x]
 
 `grade` runs the tasks' own tests and prints a table (tests passed, partial-credit points,
 status per task) and then, for each task not done, its hint while it is still a stub, else
