@@ -38,6 +38,8 @@ from nano_v1.assignments.pytest_plugin import NOT_RUN
 MAX_FAILURES_SHOWN = 8
 # A failure's message is cut to this many characters (a tensor's repr can fill a screen).
 MAX_MESSAGE_CHARS = 240
+# pytest's output when it is kept, not shown: only its last lines matter (OUTPUT_TAIL_LINES).
+QUIET_ARGS = ("-q", "--tb=short")
 # When pytest stops before scoring (a syntax error, a bad argument), this many of its last lines are shown.
 OUTPUT_TAIL_LINES = 15
 # Hypothesis reports the first failing example it finds instead of shrinking it (tens of seconds
@@ -140,7 +142,7 @@ def run_pytest(
     with tempfile.TemporaryDirectory() as tmp:
         report_path = Path(tmp) / "report.json"
         command = [
-            sys.executable, "-m", "pytest", "-q", "--tb=short",
+            sys.executable, "-m", "pytest", *(() if verbose else QUIET_ARGS),
             "-p", "nano_v1.assignments.pytest_plugin", "--task-report", str(report_path),
             *FAST_FAILURE_ARGS, *selection, *extra_args,
         ]  # fmt: skip
