@@ -32,10 +32,13 @@ from helpers.assignment_mutants import MUTANTS
 
 from nano_v1.assignments import (
     ASSIGNMENT_FILE,
+    NEEDED_BY_EARLIER_CHAPTERS,
     Mutant,
+    Task,
     TaskRegionError,
     copy_repository,
     find_tasks,
+    later_tasks,
     make_student_copy,
     mutate_source,
     parse_task_regions,
@@ -43,7 +46,16 @@ from nano_v1.assignments import (
     stub_source,
 )
 from nano_v1.assignments.__main__ import main
-from nano_v1.assignments.grading import format_table, marker_expression, score
+from nano_v1.assignments.grading import (
+    MAX_FAILURES_SHOWN,
+    MAX_MESSAGE_CHARS,
+    chapter_tests_selection,
+    files_marking_tasks,
+    format_table,
+    grade,
+    score,
+    task_tests_selection,
+)
 from nano_v1.assignments.pytest_plugin import failure_message
 
 pytestmark = pytest.mark.assignments
@@ -71,6 +83,21 @@ SOURCE = textwrap.dedent(
             return 2
             # END TASK
     '''
+)
+
+
+EARLIER_AND_LATER = textwrap.dedent(
+    """\
+    def eight():
+        # BEGIN TASK ch08_t1: eight
+        return 8
+        # END TASK
+
+    def ten():
+        # BEGIN TASK ch10_t1: ten
+        return 10
+        # END TASK
+    """
 )
 
 
@@ -149,6 +176,7 @@ def test_select_and_make_copy(tmp_path):
         tmp_path / "src",
         {
             "nano_v1/m.py": SOURCE,
+            "nano_v1/other.py": EARLIER_AND_LATER,
             "nano_v1/__pycache__/m.cpython-311.pyc": "junk",
             "tests/test_m.py": "def test(): pass\n",
             "pyproject.toml": '[tool.pytest.ini_options]\naddopts = "-q"\n',
@@ -157,18 +185,25 @@ def test_select_and_make_copy(tmp_path):
     )
     tasks = find_tasks(src)
     assert [t.task_id for t in select_tasks(tasks, ["ch09"])] == ["ch09_t1", "ch09_t2"]
+    assert [t.task_id for t in later_tasks(tasks, select_tasks(tasks, ["ch08", "ch09_t1"]))] == ["ch10_t1"]
     assert [t.task_id for t in select_tasks(tasks, ["ch09_t2"])] == ["ch09_t2"]
     with pytest.raises(
-        ValueError, match="no task or chapter with tasks named 'ch04'; chapters with tasks: ch09"
+        ValueError, match="no task or chapter with tasks named 'ch04'; chapters with tasks: ch08, ch09, ch10"
     ):
         select_tasks(tasks, ["ch04"])
     out = tmp_path / "student"
     make_student_copy(["ch09_t1"], out, root=src)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
-        ASSIGNMENT_FILE, "nano_v1/m.py", "pyproject.toml", "tests/test_m.py"
+        ASSIGNMENT_FILE, "nano_v1/m.py", "nano_v1/other.py", "pyproject.toml", "tests/test_m.py"
     ]  # fmt: skip
-    assert (out / "nano_v1/m.py").read_text() == stub_source(SOURCE, tasks[:1])
-    assert json.loads((out / ASSIGNMENT_FILE).read_text()) == {"tasks": ["ch09_t1"]}
+    assert (out / "nano_v1/m.py").read_text() == stub_source(SOURCE, select_tasks(tasks, ["ch09_t1"]))
+    # A later chapter's task is stubbed too (its answer is no example to copy); an earlier one's is not.
+    other = (out / "nano_v1/other.py").read_text()
+    assert other == stub_source(EARLIER_AND_LATER, select_tasks(tasks, ["ch10_t1"]))
+    assert "return 8" in other and "return 10" not in other
+    assert json.loads((out / ASSIGNMENT_FILE).read_text()) == {
+        "tasks": ["ch09_t1"], "later_tasks_stubbed": ["ch10_t1"]
+    }  # fmt: skip
     # A plain `pytest` in the copy must import the copy's package, not an installed one.
     pyproject = (out / "pyproject.toml").read_text()
     assert pyproject == '[tool.pytest.ini_options]\npythonpath = ["."]\naddopts = "-q"\n'
@@ -234,10 +269,79 @@ def test_score_gives_partial_credit_per_test():
     assert "ch09_t1: 1 of 3 tests fail\n  b: y must be x + 1" in table
     assert "ch09_t2: not implemented yet (NotImplementedError): return 2" in table
     assert "0.67" in table and "0.67/2" in table  # t1's points, then the total
+    assert "others" not in table
+    assert re.search(r"^others +not run +- +the chapters' other tests: grade --chapter-tests$",
+                     format_table([t1, t2], None), re.MULTILINE)  # fmt: skip
     report["tests"]["b"]["outcome"] = "passed"
     (t1, t2), _ = score(tasks, report)
     assert (t1.points, t1.all_passed, t2.all_passed) == (1.0, True, False)
-    assert marker_expression(tasks) == "ch09 or ch09_t1 or ch09_t2"
+    assert chapter_tests_selection(tasks) == ["-m", "(ch09) and not (ch09_t1 or ch09_t2)"]
+
+
+GRADED_TESTS = textwrap.dedent(
+    """\
+    import pytest
+
+    @pytest.mark.ch09
+    @pytest.mark.ch09_t1
+    @pytest.mark.parametrize("n", range(1, 13))
+    def test_t1_fails_loudly(n):
+        print("noise\\n" * 500)
+        assert [0] * 300 == [n] * 300, "x must be " + "long " * 100
+
+    @pytest.mark.ch09
+    @pytest.mark.ch09_t2
+    def test_t2_passes():
+        pass
+
+    @pytest.mark.ch09
+    def test_chapter_test_outside_the_tasks():
+        pass
+    """
+)
+
+
+def test_grade_runs_the_tasks_own_tests_quietly(tmp_path, capfd):
+    """The first pass selects exactly the tests marked with a task, and what grade prints for a
+    task failing many tests, each with a page of output and a long message, stays short."""
+    root = write_tree(
+        tmp_path,
+        {
+            "nano_v1/m.py": SOURCE,
+            "tests/test_graded.py": GRADED_TESTS,
+            "tests/test_unmarked.py": "def test_elsewhere():\n    pass  # names ch09_t1, marks nothing\n",
+            "tests/conftest.py": "import hypothesis\nhypothesis.settings.register_profile('fail_fast')\n",
+        },
+    )
+    tasks = find_tasks(root)
+    assert files_marking_tasks(root, ["ch09_t1"]) == ["tests/test_graded.py"]
+    assert task_tests_selection(root, tasks) == ["tests/test_graded.py", "-m", "ch09_t1 or ch09_t2"]
+    task_scores, others, runs = grade(
+        root, tasks, ["-p", "no:cacheprovider"], chapter_tests=False, verbose=False
+    )
+    assert others is None and [run.name for run in runs] == ["task tests"]
+    assert list(runs[0].tests) == [
+        f"tests/test_graded.py::test_t1_fails_loudly[{n}]" for n in range(1, 13)
+    ] + ["tests/test_graded.py::test_t2_passes"]
+    t1, t2 = task_scores
+    assert (t1.passed, t1.total, t2.passed, t2.total) == (0, 12, 1, 1)
+    assert t1.rerun == "python -m pytest tests/test_graded.py -m ch09_t1"
+    table = format_table(task_scores, others, runs)
+    assert capfd.readouterr().out.count("noise") == 0, "pytest's output must not reach the terminal"
+    lines = table.splitlines()
+    assert len(lines) <= 25, table
+    assert max(map(len, lines)) <= 300, table
+    assert f"  ... and {12 - MAX_FAILURES_SHOWN} more" in lines, table
+    assert f"  full output: {t1.rerun}" in lines, table
+    assert "noise" not in table and "Traceback" not in table and "assert [0" not in table, table
+    # The second pass: the chapter's tests outside the tasks, for no points.
+    task_scores, others, runs = grade(
+        root, tasks, ["-p", "no:cacheprovider"], chapter_tests=True, verbose=False
+    )
+    assert others == {"ch09": (1, 1)} and list(runs[1].tests) == [
+        "tests/test_graded.py::test_chapter_test_outside_the_tasks"
+    ]
+    assert [s.total for s in task_scores] == [12, 1]
 
 
 def test_failure_message_is_the_first_line_an_assertion_gives():
@@ -312,11 +416,10 @@ def test_each_part_of_the_course_has_a_larger_task_the_readme_names():
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One pytest run on a tree with (at most) one file rewritten."""
+    """One pytest run on a tree with some files rewritten (none: the tree as it is)."""
 
     name: str
-    path: str | None  # relative to the tree; None runs the tree as it is
-    text: str | None
+    files: dict[str, str]  # path relative to the tree: the variant's text of it
     args: list[str]
 
 
@@ -333,7 +436,7 @@ def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, d
             "--task-report", str(work / f"{i}.json"), "--hypothesis-profile=fail_fast",
         ]  # fmt: skip
         log = str(work / f"{i}.log")
-        jobs.append({"path": variant.path, "text": variant.text, "args": args, "log": log, "timeout": 300})
+        jobs.append({"files": variant.files, "args": args, "log": log, "timeout": 300})
     (work / "jobs.json").write_text(json.dumps({"root": str(root), "jobs": jobs}))
     runner = Path(__file__).parent / "helpers" / "variant_runner.py"
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -353,21 +456,11 @@ def run_variants(root: Path, variants: list[Variant], work: Path) -> dict[str, d
     return reports
 
 
-def files_naming_tasks() -> list[str]:
-    """The test files that name a task id: only they can mark tests with it, and
-    collecting just them is much cheaper than collecting the whole suite."""
-    return [
-        path.relative_to(REPO_ROOT).as_posix()
-        for path in sorted((REPO_ROOT / "tests").glob("test_*.py"))
-        if any(task.task_id in path.read_text(encoding="utf-8") for task in TASKS)
-    ]
-
-
 @pytest.fixture(scope="module")
 def reference_report(tmp_path_factory) -> dict:
     """Every task's tests, run once against the reference tree."""
-    marker = " or ".join(t.task_id for t in TASKS)
-    reference = Variant("reference", None, None, [*files_naming_tasks(), "-m", marker])
+    # What grading's first pass runs for every task at once.
+    reference = Variant("reference", {}, task_tests_selection(REPO_ROOT, TASKS))
     return run_variants(REPO_ROOT, [reference], tmp_path_factory.mktemp("reference"))["reference"]
 
 
@@ -396,11 +489,31 @@ def earlier_tasks(task_id: str) -> list[str]:
 def stub_variant(task_id: str, reference_report: dict) -> Variant:
     """Only `task_id` stubbed; its tests run, and those of the chapter's earlier tasks."""
     task = TASKS_BY_ID[task_id]
-    selected = [task_id, *earlier_tasks(task_id)]
-    # Only the test files that hold these tests: collecting the whole suite costs more.
-    paths = {nodeid.split("::")[0] for t in selected for nodeid in task_tests(reference_report, t)}
     text = stub_source((REPO_ROOT / task.path).read_text(encoding="utf-8"), [task])
-    return Variant(task_id, task.path, text, [*sorted(paths), "-m", " or ".join(selected)])
+    return Variant(
+        task_id, {task.path: text}, tasks_tests_args([task_id, *earlier_tasks(task_id)], reference_report)
+    )
+
+
+def tasks_tests_args(task_ids: list[str], reference_report: dict) -> list[str]:
+    """pytest arguments running the tests of `task_ids`, from only the test files that hold
+    them: collecting the whole suite costs more."""
+    paths = {nodeid.split("::")[0] for t in task_ids for nodeid in task_tests(reference_report, t)}
+    return [*sorted(paths), "-m", " or ".join(task_ids)]
+
+
+def later_stubbed_variant(chapter: str, reference_report: dict) -> Variant:
+    """A student copy of `chapter` once its tasks are done: the later chapters' tasks stubbed
+    (make_student_copy stubs them); the chapter's tasks' tests run."""
+    chapter_tasks = [t for t in TASKS if t.chapter == chapter]
+    later = later_tasks(TASKS, chapter_tasks)
+    files = {
+        path: stub_source(
+            (REPO_ROOT / path).read_text(encoding="utf-8"), [t for t in later if t.path == path]
+        )
+        for path in sorted({t.path for t in later})
+    }
+    return Variant(chapter, files, tasks_tests_args([t.task_id for t in chapter_tasks], reference_report))
 
 
 def mutant_variant(task_id: str, mutant: Mutant, reference_report: dict) -> Variant:
@@ -409,23 +522,25 @@ def mutant_variant(task_id: str, mutant: Mutant, reference_report: dict) -> Vari
     tests = task_tests(reference_report, task_id)
     nodeids = sorted(tests, key=lambda nodeid: tests[nodeid]["duration"])
     text = mutate_source((REPO_ROOT / task.path).read_text(encoding="utf-8"), task, mutant)
-    return Variant(f"{task_id}/{mutant.name}", task.path, text, [*nodeids, "-x"])
+    return Variant(f"{task_id}/{mutant.name}", {task.path: text}, [*nodeids, "-x"])
 
 
 def selected_variants(session: pytest.Session) -> set[str]:
-    """The stub and mutant variants that the session's selected tests read (`-k ch11` runs ch11's only)."""
+    """The stub, mutant and later-stubbed variants that the session's selected tests read
+    (`-k ch11` runs ch11's only)."""
     names = set()
     for item in session.items:
         params = getattr(item, "callspec", None)
         if params is not None and "variant_reports" in item.fixturenames:
-            names.update(str(params.params[key]) for key in ("task_id", "mutant_id") if key in params.params)
+            keys = ("task_id", "mutant_id", "chapter")
+            names.update(str(params.params[key]) for key in keys if key in params.params)
     return names
 
 
 @pytest.fixture(scope="module")
 def variant_reports(request, reference_report, tmp_path_factory) -> dict[str, dict]:
-    """Reports of the stub variants (by task id) and mutant variants ("task_id/name") that the
-    selected tests need."""
+    """Reports of the stub variants (by task id), mutant variants ("task_id/name") and
+    later-stubbed variants (by chapter) that the selected tests need."""
     wanted = selected_variants(request.session)
     variants = [
         stub_variant(t.task_id, reference_report)
@@ -438,6 +553,11 @@ def variant_reports(request, reference_report, tmp_path_factory) -> dict[str, di
         if task_tests(reference_report, task_id)
         for mutant in mutants
         if f"{task_id}/{mutant.name}" in wanted
+    ]
+    variants += [
+        later_stubbed_variant(chapter, reference_report)
+        for chapter in CHAPTERS_WITH_LATER_TASKS
+        if chapter in wanted
     ]
 
     def run_share(worker: int) -> dict[str, dict]:
@@ -476,6 +596,94 @@ def test_earlier_tasks_pass_without_later_ones(task_id, variant_reports):
         assert test["outcome"] == "passed", (
             f"{nodeid}, a test of an earlier task, fails with {task_id} stubbed"
         )
+
+
+CHAPTERS_WITH_LATER_TASKS = [chapter for chapter in CHAPTERS_WITH_TASKS if chapter < CHAPTERS_WITH_TASKS[-1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", CHAPTERS_WITH_LATER_TASKS)
+def test_a_chapters_tasks_pass_with_later_chapters_stubbed(chapter, variant_reports):
+    """A student copy stubs the later chapters' tasks too (all but NEEDED_BY_EARLIER_CHAPTERS):
+    those stubs must not fail a test of the chapter's own tasks."""
+    report = variant_reports[chapter]
+    assert report["tests"], f"no tests of {chapter}'s tasks ran"
+    for nodeid, test in report["tests"].items():
+        assert test["outcome"] == "passed", (
+            f"{nodeid}, a test of {chapter}'s tasks, fails with the later chapters' tasks stubbed: "
+            f"{test['message']}"
+        )
+
+
+def test_a_copy_hides_the_answers_of_later_chapters(tmp_path):
+    """A copy of chapter 02 holds no reference body of a later chapter's task, though ch03_t2,
+    ch12_t1 and ch12_t2 sit in a file it hands out; ch01's stay (the student did them), and so
+    do the later tasks that earlier chapters' tests need."""
+    assert set(NEEDED_BY_EARLIER_CHAPTERS) <= set(TASKS_BY_ID)
+    copy = tmp_path / "copy"
+    make_student_copy(["ch02"], copy)
+    copied = {task.task_id: task for task in find_tasks(copy)}
+    for task in TASKS:
+        stubbed = task.chapter >= "ch02" and task.task_id not in NEEDED_BY_EARLIER_CHAPTERS
+        expected = task.stub_line if stubbed else region_body(REPO_ROOT, task)
+        assert region_body(copy, copied[task.task_id]) == expected, (
+            f"{task.task_id}: a ch02 copy must hold {'its stub' if stubbed else 'its answer'}"
+        )
+    assert {"ch03_t2", "ch12_t1", "ch12_t2"} <= set(
+        json.loads((copy / ASSIGNMENT_FILE).read_text())["later_tasks_stubbed"]
+    )
+
+
+def region_body(root: Path, task: Task) -> str:
+    """The statements between the task's BEGIN and END lines in the tree at `root`."""
+    lines = (root / task.path).read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(lines[task.begin_line : task.end_line - 1])
+
+
+# Markdown code: fenced blocks, and inline spans (which may wrap across lines).
+_CHAPTER_CODE_RE = re.compile(r"```.*?```|`[^`]+`", re.DOTALL)
+# A statement that computes something (arithmetic, a comparison, indexing), long enough that quoting
+# it gives a step of the answer away; a call or an attribute read alone does not.
+_ANSWER_STATEMENT_RE = re.compile(r"[-+*/%<>\[]")
+MIN_ANSWER_STATEMENT_CHARS = 16
+# `name = value`: the value alone is the answer, whatever a chapter calls the name.
+_ASSIGNMENT_RE = re.compile(r"^[\w.\[\]]+=(?!=)")
+
+
+def answer_statements(task: Task) -> list[str]:
+    """The task's statements that a chapter must not quote, without whitespace (and a
+    trailing colon), each with its value alone when it is an assignment."""
+    found = []
+    for line in region_body(REPO_ROOT, task).splitlines():
+        code = re.sub(r"\s+", "", line.split("  #")[0]).rstrip(":")
+        if code.startswith("#"):
+            continue
+        value = code[_ASSIGNMENT_RE.match(code).end() :] if _ASSIGNMENT_RE.match(code) else None
+        found += [
+            part for part in (code, value)
+            if part and len(part) >= MIN_ANSWER_STATEMENT_CHARS and _ANSWER_STATEMENT_RE.search(part)
+        ]  # fmt: skip
+    return found
+
+
+def test_no_chapter_quotes_the_answer_of_its_own_or_a_later_task():
+    """A chapter may show what a task must achieve, never its statements: no code in chapter NN
+    (blocks or inline) holds a statement of a task of chapter NN or later, spacing aside.
+    Earlier chapters' answers are fair game: the student wrote them already."""
+    for path in sorted((REPO_ROOT / "chapters").glob("[0-9][0-9]-*.md")):
+        chapter = f"ch{path.name[:2]}"
+        code = [
+            re.sub(r"\s+", "", m.group().strip("`"))
+            for m in _CHAPTER_CODE_RE.finditer(path.read_text("utf-8"))
+        ]
+        for task in TASKS:
+            if task.chapter < chapter:
+                continue
+            for statement in answer_statements(task):
+                assert not any(statement in quoted for quoted in code), (
+                    f"{path.name} quotes {task.task_id}'s answer ({task.path}): {statement}; "
+                    "say what the code must do instead"
+                )
 
 
 def test_every_task_has_at_least_three_mutants():
@@ -533,34 +741,45 @@ def test_mutant_is_caught(mutant_id, reference_report, variant_reports):
         )
 
 
+# What grade may print for one failing task (its row, the table around it and the failures).
+MAX_GRADE_LINES = 40
+
+
 @pytest.mark.slow
 def test_grade_teaches_with_partial_credit(reference_report, tmp_path):
     """The whole student loop: make a copy of ch04, implement ch04_t1 with a planted bug,
-    leave ch04_t2 a stub, and grade it from inside the copy."""
+    leave ch04_t2 a stub, and grade it from inside the copy: only the tasks' own tests run,
+    and the report is short."""
     copy = tmp_path / "student"
     make_student_copy(["ch04"], copy)
     done, stub = TASKS_BY_ID["ch04_t1"], TASKS_BY_ID["ch04_t2"]
     (bug,) = [m for m in MUTANTS[done.task_id] if m.name == "eos_despite_ignore_eos"]
     (copy / done.path).write_text(mutate_source((REPO_ROOT / done.path).read_text(), done, bug))
     score_path = tmp_path / "score.json"
-    # Grading collects the whole suite; the file with both tasks' directed tests is enough here.
     command = [sys.executable, "-m", "nano_v1.assignments", "grade", "--json", str(score_path),
-               "--", "-p", "no:cacheprovider", "--hypothesis-profile=fail_fast", "tests/test_tasks.py"]  # fmt: skip
+               "--", "-p", "no:cacheprovider"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(copy))
     result = subprocess.run(
         command, cwd=copy, env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout
+    assert len(table.splitlines()) <= MAX_GRADE_LINES, table
+    assert "AssertionError" not in table and "Traceback" not in table, table
     scores = json.loads(score_path.read_text())
     assert Path(scores["nano_v1"]).resolve().is_relative_to(copy.resolve())
+    (run,) = scores["runs"]
+    own = {*task_tests(reference_report, done.task_id), *task_tests(reference_report, stub.task_id)}
+    assert (run["pass"], run["selected"]) == ("task tests", len(own)), (
+        "the first pass runs the tasks' own tests"
+    )
+    assert scores["other_tests"] is None
     t1, t2 = scores["tasks"]
-    in_file = [n for n in task_tests(reference_report, done.task_id) if n.startswith("tests/test_tasks.py")]
     assert (t1["task_id"], t1["all_passed"], t1["is_stub"]) == (done.task_id, False, False)
-    assert t1["total"] == len(in_file), "ch04_t1's tests in tests/test_tasks.py all count"
+    assert t1["total"] == len(task_tests(reference_report, done.task_id)), "all of ch04_t1's tests count"
     assert 0 < t1["passed"] < t1["total"] and t1["points"] == t1["passed"] / t1["total"]
     assert (t2["task_id"], t2["passed"], t2["points"], t2["is_stub"]) == (stub.task_id, 0, 0.0, True)
     assert (scores["score"], scores["max_score"], scores["all_passed"]) == (t1["points"], 2, False)
-    table = result.stdout[result.stdout.rindex("\ntask ") :]  # after pytest's own output
     t1_row = (
         rf"^{done.task_id} +{t1['passed']}/{t1['total']} +{t1['points']:.2f} +{len(t1['failures'])} failing "
     )
@@ -568,8 +787,8 @@ def test_grade_teaches_with_partial_credit(reference_report, tmp_path):
     assert re.search(rf"^{stub.task_id} +0/{t2['total']} +0.00 +to do ", table, re.MULTILINE), table
     assert re.search(rf"^total +{t1['points']:.2f}/2$", table, re.MULTILINE), table
     assert f"\n{done.task_id}: {len(t1['failures'])} of {t1['total']} tests fail\n" in table
-    for failure in t1["failures"]:
-        assert f"\n  {failure['test']}: {failure['message']}\n" in table, table
+    for failure in t1["failures"][:MAX_FAILURES_SHOWN]:
+        assert f"\n  {failure['test']}: {failure['message'][: MAX_MESSAGE_CHARS - 3]}" in table, table
         assert "ignore_eos" in failure["message"], failure
+    assert f"\n  full output: {t1['rerun']}\n" in table, table
     assert f"\n{stub.task_id}: not implemented yet (NotImplementedError): {stub.hint}" in table
-    assert "AssertionError" not in table and "Traceback" not in table, table

@@ -12,9 +12,11 @@ region of whole statements:
 
 `make_student_copy` copies the repository and replaces the statements of the chosen
 tasks with `raise NotImplementedError("ch04_t2: <hint>")`, keeping both marker lines so
-that the copy can be listed, graded and stubbed again. Tests that exercise a task carry
+that the copy can be listed, graded and stubbed again. The tasks of later chapters are
+stubbed too (their answers would sit in plain sight a few lines away), all but those that
+earlier chapters' tests run through (NEEDED_BY_EARLIER_CHAPTERS). Tests that exercise a task carry
 its marker (`@pytest.mark.ch04_t2`) next to the chapter marker, and `grade` runs
-`pytest -m ch04` with a small plugin that scores each task (see `__main__`).
+`pytest -m "ch04_t1 or ch04_t2"` with a small plugin that scores each task (see `grading`).
 
 A `Mutant` is a planted bug in one task's region (the catalog is
 tests/helpers/assignment_mutants.py): `mutate_source` applies it to the reference text, and the
@@ -35,15 +37,26 @@ _BEGIN_RE = re.compile(r"(?P<indent>[ \t]*)# BEGIN TASK (?P<task_id>ch\d\d_t\d+)
 _END_RE = re.compile(r"(?P<indent>[ \t]*)# END TASK\s*")
 
 # What a student copy contains: the package, its tests, what they import beside it (benchmarks/,
-# tools/) and the course text. Not .git, virtual environments or build output.
+# tools/, examples/) and the course text. Not .git, virtual environments or build output.
 COPIED_PATHS = (
-    "nano_v1", "tests", "benchmarks", "tools", "chapters", "notebooks", "figures", "pyproject.toml", "README.md"
-)
+    "nano_v1", "tests", "benchmarks", "tools", "examples", "chapters", "notebooks", "figures",
+    "pyproject.toml", "README.md",
+)  # fmt: skip
 _IGNORED = shutil.ignore_patterns(
     "__pycache__", "*.pyc", ".pytest_cache", ".hypothesis", "*.egg-info", ".ipynb_checkpoints"
 )
 # Written into a student copy: the tasks it was made for, so `grade` knows what to run.
 ASSIGNMENT_FILE = "ASSIGNMENT.json"
+
+
+# Later tasks that a copy of an earlier chapter keeps as written, each with the reason: the
+# tests of earlier chapters' tasks run through them. The integrity check (tests/test_assignments.py)
+# proves that stubbing every other later task fails no test of a copy's own chapter.
+NEEDED_BY_EARLIER_CHAPTERS = {
+    "ch09_t3": "the LLM front door turns every step's tokens into text through it",
+    "ch13_t1": "loading any model fills the fused QKV weight through it, with one rank too",
+    "ch13_t2": "every model's forward runs its row-parallel layers (o_proj, down_proj) through it",
+}
 
 
 class TaskRegionError(ValueError):
@@ -191,6 +204,13 @@ def select_tasks(tasks: list[Task], selectors: list[str]) -> list[Task]:
     return [t for t in tasks if t.task_id in chosen]
 
 
+def later_tasks(tasks: list[Task], chosen: list[Task]) -> list[Task]:
+    """The tasks of chapters after the last chapter of `chosen` that a student copy stubs too:
+    all but NEEDED_BY_EARLIER_CHAPTERS."""
+    last = max(t.chapter for t in chosen)
+    return [t for t in tasks if t.chapter > last and t.task_id not in NEEDED_BY_EARLIER_CHAPTERS]
+
+
 def stub_source(text: str, tasks: list[Task]) -> str:
     """`text` with the body of each of `tasks` (all regions of this file) replaced by its stub."""
     lines = text.splitlines(keepends=True)
@@ -247,26 +267,31 @@ def copy_repository(root: Path, out: Path) -> None:
 def make_student_copy(selectors: list[str], out: Path, root: Path | None = None) -> list[Task]:
     """Copy the repository at `root` to `out` with the selected tasks stubbed; return them.
 
-    `root` defaults to `source_checkout()`.
+    Every task of a later chapter (`later_tasks`) is stubbed as well; ASSIGNMENT_FILE records
+    both lists. `root` defaults to `source_checkout()`.
 
     `out` must not exist yet (or be an empty directory) and must lie outside `root`.
     """
     root, out = (source_checkout() if root is None else root).resolve(), out.resolve()
-    tasks = select_tasks(find_tasks(root), selectors)
+    all_tasks = find_tasks(root)
+    tasks = select_tasks(all_tasks, selectors)
     if not tasks:
         raise ValueError("choose at least one chapter or task")
     if out == root or root in out.parents:
         raise ValueError(f"--out {out} is inside the repository {root}; choose a directory outside it")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty")
+    later = later_tasks(all_tasks, tasks)
+    stubbed = tasks + later
     copy_repository(root, out)
-    for path in sorted({t.path for t in tasks}):
+    for path in sorted({t.path for t in stubbed}):
         target = out / path
         target.write_text(
-            stub_source(target.read_text(encoding="utf-8"), [t for t in tasks if t.path == path]),
+            stub_source(target.read_text(encoding="utf-8"), [t for t in stubbed if t.path == path]),
             encoding="utf-8",
         )
-    (out / ASSIGNMENT_FILE).write_text(json.dumps({"tasks": [t.task_id for t in tasks]}, indent=2) + "\n")
+    assignment = {"tasks": [t.task_id for t in tasks], "later_tasks_stubbed": [t.task_id for t in later]}
+    (out / ASSIGNMENT_FILE).write_text(json.dumps(assignment, indent=2) + "\n")
     return tasks
 
 

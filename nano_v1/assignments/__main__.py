@@ -4,11 +4,14 @@ Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
 
     python -m nano_v1.assignments list
     python -m nano_v1.assignments make ch04 [ch05_t1 ...] --out ../nano_v1-ch04
-    cd ../nano_v1-ch04 && python -m nano_v1.assignments grade [--json score.json] [-- -x]
+    cd ../nano_v1-ch04
+    python -m nano_v1.assignments grade [--chapter-tests] [--verbose] [--json score.json] [-- -x]
 
-`grade` prints a table (tests passed, partial-credit points, status per task) and then,
-for each task not done, its hint while it is still a stub, else each failing test with the
-one line its assertion gives; `--json` writes the same scores (see `grading`).
+`grade` runs the tasks' own tests and prints a table (tests passed, partial-credit points,
+status per task) and then, for each task not done, its hint while it is still a stub, else
+each failing test with the one line its assertion gives and the pytest command that shows
+the full output; `--chapter-tests` also runs the chapters' other tests, `--verbose` shows
+pytest's own output, `--json` writes the scores and both passes (see `grading`).
 
 Why it exists: one entry point per step of the student's loop; `grade` always tests the
 tree this module was imported from, so it refuses to run from anywhere but that tree's
@@ -30,7 +33,7 @@ from nano_v1.assignments import (
     select_tasks,
     source_checkout,
 )
-from nano_v1.assignments.grading import format_table, run_pytest, score, to_json
+from nano_v1.assignments.grading import format_table, grade, to_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         "selectors", nargs="*", metavar="CHAPTER_OR_TASK",
         help=f"default: the tasks recorded in {ASSIGNMENT_FILE}, else every task",
     )  # fmt: skip
+    grade.add_argument(
+        "--chapter-tests", action="store_true",
+        help="then also run the chapters' tests outside the tasks (a second pass, no points)",
+    )  # fmt: skip
+    grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
     grade.add_argument("--json", type=Path, help="also write the scores to this file")
     args = parser.parse_args(argv)
 
@@ -68,28 +76,27 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"grade it with: cd {args.out} && python -m nano_v1.assignments grade")
             return 0
-        return _grade(root, tasks, args.selectors, args.json, pytest_args)
+        return _grade(root, tasks, args, pytest_args)
     except (TaskRegionError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
 
-def _grade(root: Path, tasks, selectors: list[str], json_path: Path | None, pytest_args: list[str]) -> int:
+def _grade(root: Path, tasks, args: argparse.Namespace, pytest_args: list[str]) -> int:
     if Path.cwd().resolve() != root:
         raise ValueError(
             f"nano_v1 was imported from {root}, but the current directory is {Path.cwd()}; "
             "run grade from the root of the copy you want graded"
         )
     assignment = root / ASSIGNMENT_FILE
+    selectors = args.selectors
     if not selectors and assignment.exists():
         selectors = json.loads(assignment.read_text())["tasks"]
     chosen = select_tasks(tasks, selectors) if selectors else tasks
-    report = run_pytest(root, chosen, pytest_args)
-    task_scores, others = score(chosen, report)
-    print()
-    print(format_table(task_scores, others))
-    if json_path is not None:
-        json_path.write_text(json.dumps(to_json(task_scores, others, report), indent=2) + "\n")
+    task_scores, others, runs = grade(root, chosen, pytest_args, args.chapter_tests, args.verbose)
+    print(format_table(task_scores, others, runs))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(task_scores, others, runs), indent=2) + "\n")
     return 0 if all(s.all_passed for s in task_scores) else 1
 
 

@@ -9,14 +9,14 @@ third-party modules are imported once; each variant then runs in a forked child,
 imports the tree's own nano_v1 and tests from scratch (so nothing of nano_v1 may be
 imported before the fork).
 
-JOBS.json holds {"root": the tree, "jobs": [{"path": a file relative to root, or null,
-"text": the variant's text of it, "args": pytest's arguments, "log": where the child's
-output goes, "timeout": seconds}]}. A job's file is rewritten before its run and
-restored after it, so the jobs run one after another.
+JOBS.json holds {"root": the tree, "jobs": [{"files": {a file relative to root: the
+variant's text of it}, "args": pytest's arguments, "log": where the child's output goes,
+"timeout": seconds}]}. A job's files are rewritten before its run and restored after it,
+so the jobs run one after another.
 
 Bytecode: the children compile each module once and cache it in a "pycache" directory
 beside JOBS.json (`sys.pycache_prefix`, whatever PYTHONDONTWRITEBYTECODE says; nothing is
-written into the tree or site-packages). A job's file loses its cached bytecode before
+written into the tree or site-packages). A job's files lose their cached bytecode before
 the run: Python checks a .pyc against its source's size and mtime in whole seconds, so a
 variant written in the same second as the one before, at the same size, would otherwise
 run that one's code.
@@ -49,20 +49,19 @@ gc.freeze()
 
 
 def run_job(root: Path, job: dict) -> int:
-    """Write the job's variant, run pytest on it in a child, restore the file; the exit code."""
-    target = root / job["path"] if job["path"] else None
-    original = target.read_text(encoding="utf-8") if target else ""
-    if target:
-        target.write_text(job["text"], encoding="utf-8")
-        Path(importlib.util.cache_from_source(str(target))).unlink(missing_ok=True)
+    """Write the job's variant, run pytest on it in a child, restore the files; the exit code."""
+    originals = {path: (root / path).read_text(encoding="utf-8") for path in job["files"]}
+    for path, text in job["files"].items():
+        (root / path).write_text(text, encoding="utf-8")
+        Path(importlib.util.cache_from_source(str(root / path))).unlink(missing_ok=True)
     try:
         pid = os.fork()
         if pid == 0:
             _run_child(root, job)
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     finally:
-        if target:
-            target.write_text(original, encoding="utf-8")
+        for path, text in originals.items():
+            (root / path).write_text(text, encoding="utf-8")
 
 
 def _run_child(root: Path, job: dict) -> None:
