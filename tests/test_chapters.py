@@ -2,9 +2,11 @@
 
 A chapter quotes code by reference (`nano_v1/core/block_pool.py::BlockPool.touch`),
 never by a copy; this test resolves each reference with `ast` (no imports, so a chapter
-about CUDA graphs is checked on a laptop too). It also checks that each chapter opens
-with its box (files, notebook, test marker; chapters/TEMPLATE.md), that every image it
-embeds and every notebook it names is in the repository.
+about CUDA graphs is checked on a laptop too). The tests a chapter cites as evidence are
+held to the same rule: `tests/test_x.py` must exist and `tests/test_x.py::test_name` must
+define `test_name`. It also checks that each chapter opens with its box (files, notebook,
+test marker; chapters/TEMPLATE.md), that every image it embeds and every notebook it names
+is in the repository.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ CODE_REF_RE = re.compile(
 CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
 IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|json))")
+# This checkout's tests: tests/<module>.py and tests/helpers/<module>.py, maybe with ::Symbol. vLLM's
+# own tests, which chapters also cite, live deeper (tests/v1/core/...) and do not match.
+TEST_REF_RE = re.compile(r"(?<![\w/])(tests/(?:helpers/)?\w+\.py)(?:::([A-Za-z_][\w.]*[\w]))?")
 NOTEBOOK_RE = re.compile(r"(?<![\w/])notebooks/[\w.-]+\.(?:py|ipynb)")
 BOX_RE = re.compile(
     r"> \*\*Files\*\*: (?P<files>.+) · \*\*Notebook\*\*: (?P<notebook>.+) · \*\*Run\*\*: (?P<run>.+)"
@@ -81,6 +86,13 @@ def resolve(path: str, symbol: str) -> str | None:
     return None
 
 
+def resolve_test_reference(path: str, symbol: str) -> str | None:
+    """None if the test module `path` exists and, when `symbol` is given, defines it; else why not."""
+    if symbol:
+        return resolve(path, symbol)
+    return None if (REPO_ROOT / path).is_file() else f"{path} does not exist"
+
+
 def chapter_id(chapter: Path) -> str:
     return chapter.name[:2]
 
@@ -117,6 +129,19 @@ def test_code_references_resolve(chapter):
     assert not problems, "\n".join(problems)
 
 
+def test_test_references_resolve(chapter):
+    """Every test module a chapter names exists, and every `tests/...py::name` it cites is defined there."""
+    text = chapter.read_text(encoding="utf-8")
+    problems = sorted(
+        {
+            problem
+            for path, symbol in TEST_REF_RE.findall(text)
+            if (problem := resolve_test_reference(path, symbol))
+        }
+    )
+    assert not problems, f"{chapter.name} cites tests that do not exist:\n" + "\n".join(problems)
+
+
 def test_named_paths_exist(chapter):
     """Every `nano_v1/...`, `benchmarks/...`, `tools/...` and `notebooks/...` path in a code span (braces expanded) and every notebook named."""
     text = chapter.read_text(encoding="utf-8")
@@ -151,6 +176,12 @@ def test_resolve_finds_nested_symbols_and_reports_misses():
     assert resolve("nano_v1/core/block_pool.py", "BlockPool.touch") is None
     assert resolve("nano_v1/core/block_pool.py", "BlockPool.free_block_queue") is None  # self.<attr>
     assert resolve("nano_v1/core/block_pool.py", "BlockPool.nope").endswith("defines no BlockPool.nope")
+    assert resolve_test_reference("tests/test_chapters.py", "") is None
+    assert resolve_test_reference("tests/test_chapters.py", "test_there_are_chapters") is None
+    assert resolve_test_reference("tests/test_no_such.py", "") == "tests/test_no_such.py does not exist"
+    assert resolve_test_reference("tests/test_chapters.py", "test_renamed") == (
+        "tests/test_chapters.py defines no test_renamed"
+    )
 
 
 def test_patterns_pick_out_what_chapters_write():
@@ -163,6 +194,15 @@ def test_patterns_pick_out_what_chapters_write():
     assert IMAGE_RE.findall(text) == ["../figures/02_x.png"]
     assert FIGURE_RE.findall(text) == ["figures/02_x.png", "figures/data/02_x.json"]
     assert NOTEBOOK_RE.findall(text) == ["notebooks/02_paged_kv_cache.py"]
+    tests = (
+        "`tests/test_kv_cache.py::test_free_queue_matches_list_model`, tests/helpers/scheduler.py::FakeModelRunner, "
+        "`tests/test_llm.py`; vLLM's own `tests/v1/core/test_async_scheduler.py` is not ours."
+    )
+    assert TEST_REF_RE.findall(tests) == [
+        ("tests/test_kv_cache.py", "test_free_queue_matches_list_model"),
+        ("tests/helpers/scheduler.py", "FakeModelRunner"),
+        ("tests/test_llm.py", ""),
+    ]
     assert expand_braces("a/{b,c}.py") == ["a/b.py", "a/c.py"]
 
 
