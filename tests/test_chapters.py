@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -273,3 +274,50 @@ def test_map_paths_reads_the_first_column():
         "\n| `after.py` |\n"
     )
     assert map_paths(text) == ["core/a.py", "core/b.py", "x.py", "multimodal/"]
+
+
+# Chapter 13's counts: "161 all-reduces", "162 collectives", "162 of them at 10 µs".
+COUNT_RE = re.compile(r"(\d+) (all-reduces|collectives|of them)( at \d+ µs)?")
+
+
+def tensor_parallel_counts(record: dict) -> tuple[set[int], set[int]]:
+    """(all-reduces, collectives) per decode step that figures/data/13_tensor_parallel.json holds:
+    the predicted models' collectives (their fixed cost over the link's latency; one of them is
+    the logits' all-gather, the rest all-reduces) and the CPU models' `2 x layers + 1` all-reduces."""
+    latency_s = record["link"]["latency_s"]
+    collectives = {
+        round(row["comm_latency_s"] / latency_s)
+        for rows in record["predictions"].values()
+        for row in rows
+        if row["tp_size"] > 1
+    }
+    all_reduces = {count - 1 for count in collectives}
+    all_reduces |= {2 * shape["num_hidden_layers"] + 1 for shape in record["cpu_models"].values()}
+    return all_reduces, collectives
+
+
+def wrong_counts(text: str, all_reduces: set[int], collectives: set[int]) -> list[str]:
+    """Counts in `text` the JSON does not give: a count charged at a latency ('N ... at 10 µs') is
+    one of collectives, 'N collectives' too, 'N all-reduces' one of all-reduces."""
+    wrong = []
+    for match in COUNT_RE.finditer(text):
+        count, kind, at_latency = int(match[1]), match[2], bool(match[3])
+        if at_latency or kind == "collectives":
+            if count not in collectives:
+                wrong.append(f"{match[0]!r}: collectives per step are {sorted(collectives)}")
+        elif kind == "all-reduces" and count not in all_reduces:
+            wrong.append(f"{match[0]!r}: all-reduces per step are {sorted(all_reduces)}")
+    return wrong
+
+
+def test_chapter_13_counts_the_collectives_its_json_counts():
+    record = json.loads((REPO_ROOT / "figures" / "data" / "13_tensor_parallel.json").read_text())
+    all_reduces, collectives = tensor_parallel_counts(record)
+    text = (REPO_ROOT / "chapters" / "13-tensor-parallel.md").read_text(encoding="utf-8")
+    problems = wrong_counts(text, all_reduces, collectives)
+    assert not problems, "chapter 13 quotes counts its JSON does not give:\n" + "\n".join(problems)
+
+
+def test_wrong_counts_reads_what_chapter_13_writes():
+    text = "161 all-reduces of 1 MiB; 161 of them at 10 µs; its 162 collectives at 10 µs; 9 all-reduces; 8 of them"
+    assert wrong_counts(text, {161, 9}, {162}) == ["'161 of them at 10 µs': collectives per step are [162]"]
