@@ -321,3 +321,57 @@ def test_chapter_13_counts_the_collectives_its_json_counts():
 def test_wrong_counts_reads_what_chapter_13_writes():
     text = "161 all-reduces of 1 MiB; 161 of them at 10 µs; its 162 collectives at 10 µs; 9 all-reduces; 8 of them"
     assert wrong_counts(text, {161, 9}, {162}) == ["'161 of them at 10 µs': collectives per step are [162]"]
+
+
+# A measurement's conditions are data too: a chapter that calls its run quiet, or quotes the load
+# average, says what its JSON recorded, and cites no run the repository has no record of.
+# The chapters audited for it (issue 31): their notebooks record the load before and after.
+LOAD_AUDITED_CHAPTERS = ("11", "12", "13")
+LOAD_CLAIM_RE = re.compile(r"load\s+average[^.;)]{0,40}|quiet", re.IGNORECASE)  # the numbers right after it
+NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
+UNRECORDED_RUN_RE = re.compile(r"one-off|(?:earlier|previous|other)\s+runs?\b|run\s+before\s+this\s+one", re.IGNORECASE)
+
+
+def recorded_loads(text: str) -> list[float]:
+    """The load averages (before and after) the figures/data JSONs that `text` cites record."""
+    loads = []
+    for path in sorted(set(FIGURE_RE.findall(text))):
+        if path.startswith("figures/data/") and path.endswith(".json"):
+            record = json.loads((REPO_ROOT / path).read_text())
+            loads += record.get("load_average_before", []) + record.get("load_average_after", [])
+    return loads
+
+
+def unbacked_load_claims(text: str, loads: list[float]) -> list[str]:
+    """Claims about the machine's load that `loads` does not back: any claim when nothing is
+    recorded, and any number quoted after 'load average' that no recorded value rounds to."""
+    problems = [f"{match[0]!r}: no run on record" for match in UNRECORDED_RUN_RE.finditer(text)]
+    for match in LOAD_CLAIM_RE.finditer(text):
+        claim = " ".join(match[0].split())
+        if not loads:
+            problems.append(f"{claim!r}: the JSONs cited record no load average")
+        for number in NUMBER_RE.findall(claim):
+            decimals = len(number.partition(".")[2])
+            if not any(round(load, decimals) == float(number) for load in loads):
+                problems.append(f"{claim!r}: {number} is not a recorded load average ({loads})")
+    return problems
+
+
+@pytest.mark.parametrize("number", LOAD_AUDITED_CHAPTERS)
+def test_load_claims_are_recorded(number):
+    (chapter,) = [c for c in CHAPTERS if chapter_id(c) == number]
+    text = chapter.read_text(encoding="utf-8")
+    problems = unbacked_load_claims(text, recorded_loads(text))
+    assert not problems, f"{chapter.name} claims what no committed data records:\n" + "\n".join(problems)
+
+
+def test_unbacked_load_claims_reads_what_chapters_write():
+    text = "on a quiet 2-core CPU (load\naverage 0.45 before the run, 1.63 after), a one-off profile"
+    assert unbacked_load_claims(text, [0.45166, 0.91, 1.62744]) == ["'one-off': no run on record"]
+    assert unbacked_load_claims("a load average of 8 to 9", [0.45]) == [
+        "'load average of 8 to 9': 8 is not a recorded load average ([0.45])",
+        "'load average of 8 to 9': 9 is not a recorded load average ([0.45])",
+    ]
+    assert unbacked_load_claims("three rounds on a quiet machine", []) == [
+        "'quiet': the JSONs cited record no load average"
+    ]
