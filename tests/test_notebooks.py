@@ -119,3 +119,16 @@ def test_smoke_figures_say_so_in_their_title(tmp_path, monkeypatch):
     assert saved_title(True, "decode step: 2-core CPU") == "[SMOKE] decode step: 2-core CPU"
     assert saved_title(True, None) == "[SMOKE]"
     assert saved_title(False, "decode step: 2-core CPU") == "decode step: 2-core CPU"
+
+
+@pytest.mark.ch00
+def test_no_figure_has_two_y_axes():
+    """A panel with a second y-axis (`twinx`, `secondary_yaxis`) is easily read against the
+    wrong scale: one quantity per panel, side by side."""
+    offenders = [
+        f"{notebook.name}:{n}"
+        for notebook in NOTEBOOKS
+        for n, line in enumerate(notebook.read_text(encoding="utf-8").splitlines(), start=1)
+        if "twinx(" in line or "secondary_yaxis(" in line
+    ]
+    assert not offenders, "panels with two y-axes: " + ", ".join(offenders)
