@@ -277,7 +277,7 @@ def test_map_paths_reads_the_first_column():
 
 
 # Chapter 13's counts: "161 all-reduces", "162 collectives", "162 of them at 10 µs".
-COUNT_RE = re.compile(r"(\d+) (all-reduces|collectives|of them)( at \d+ µs)?")
+COUNT_RE = re.compile(r"(\d+)\s+(all-reduces|collectives|of\s+them)(\s+at\s+\d+\s+µs)?")
 
 
 def tensor_parallel_counts(record: dict) -> tuple[set[int], set[int]]:
@@ -321,6 +321,7 @@ def test_chapter_13_counts_the_collectives_its_json_counts():
 def test_wrong_counts_reads_what_chapter_13_writes():
     text = "161 all-reduces of 1 MiB; 161 of them at 10 µs; its 162 collectives at 10 µs; 9 all-reduces; 8 of them"
     assert wrong_counts(text, {161, 9}, {162}) == ["'161 of them at 10 µs': collectives per step are [162]"]
+    assert wrong_counts("and 17\nall-reduces", {161}, {162}) == ["'17\\nall-reduces': all-reduces per step are [161]"]
 
 
 # A measurement's conditions are data too: a chapter that calls its run quiet, or quotes the load
