@@ -29,6 +29,7 @@
 
 # %%
 import logging
+import os
 import tempfile
 import time
 
@@ -56,7 +57,8 @@ MODELS = nb.pick(cpu=["gemma-3-1b", "gemma-3-4b", "gemma-3-27b"], gpu=["gemma-3-
 CONTEXTS = nb.pick(cpu=[1024, 2048, 4096, 8192, 16384], gpu=[1024, 2048, 4096, 8192, 16384], smoke=[1024, 4096])
 KV_CACHE_BYTES = 16 * GiB  # the fixed cache of the concurrency measurement
 BUDGET = 8192  # max_num_batched_tokens: a 16k prompt prefills in two steps
-print(f"{nb.device_label()}, torch threads {threads}")
+load_before = os.getloadavg()  # other jobs on this machine compete for its cores and skew the timings
+print(f"{nb.device_label()}, torch threads {threads}, load average (1, 5, 15 min) {load_before}")
 
 # %% [markdown]
 # ## The layers' specs
@@ -318,8 +320,9 @@ for c in THROUGHPUT_CONTEXTS:
 # ## Plot
 
 # %%
-fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
-ax = axes[0, 0]
+fig = plt.figure(figsize=(14, 9.5))
+grid = fig.add_gridspec(2, 4)
+ax = fig.add_subplot(grid[0, :2])
 for model, color in zip(MODELS, ("C0", "C1", "C2")):
     rows = predicted[model]
     ctx = [r["context"] for r in rows]
@@ -327,7 +330,7 @@ for model, color in zip(MODELS, ("C0", "C1", "C2")):
     ax.loglog(ctx, [r["hybrid_bytes_per_token"] / 1024 for r in rows], "-", color=color, label=f"{model} hybrid")
 ax.set(xlabel="context (tokens)", ylabel="KV cache KiB per token of context (bf16)",
        title="predicted from the specs (vLLM's grouping, padding included)")
-ax = axes[0, 1]
+ax = fig.add_subplot(grid[0, 2:])
 for mode, style in (("hybrid", "-"), ("full", "--")):
     g = generation[mode]
     ax.plot(g["context"], np.array(g["blocks"]) * g["bytes_per_block"] / 2**20, style,
@@ -338,7 +341,7 @@ ax.axvline(WINDOW, color="grey", lw=0.8)
 ax.set(xlabel="tokens computed (context)", ylabel="KV cache MiB held by the request",
        title=f"one request through the engine: mini Gemma 3, window {WINDOW}, float32")
 nb.tick_at([ax], [WINDOW] + list(range(0, PROMPT_LEN + GEN_LEN + 1, 512))[1:])
-ax = axes[1, 0]
+ax = fig.add_subplot(grid[1, :2])
 for model, color in zip(MODELS, ("C0", "C1", "C2")):
     for mode, style in (("hybrid", "o-"), ("full", "s--")):
         rows = [r for r in concurrency if r["model"] == model and r["mode"] == mode]
@@ -347,30 +350,27 @@ for model, color in zip(MODELS, ("C0", "C1", "C2")):
 ax.set(xlabel="context (tokens)", ylabel="requests running at once (measured)",
        title="16 GiB of KV cache (bf16), the real scheduler")
 nb.tick_at([ax], CONTEXTS)
-ax = axes[1, 1]
+# Throughput at a fixed cache, one quantity per panel: the decode batch (exact), then the rate (noisy).
+batch_ax, rate_ax = fig.add_subplot(grid[1, 2]), fig.add_subplot(grid[1, 3])
 x = np.arange(len(THROUGHPUT_CONTEXTS))
-for k, (mode, label) in enumerate((("hybrid", "hybrid"), ("full", "full-only"))):
-    rows = [tp_runs(c, mode)[0] for c in THROUGHPUT_CONTEXTS]
-    ax.bar(x + (k - 0.5) * 0.38, [r["mean_decode_batch"] for r in rows], 0.38, label=f"{label}: mean decode batch")
-ax2 = ax.twinx()
-# Each context on its own: a point at the rounds' median, a bar from the slowest to the fastest.
 for k, (mode, label, marker) in enumerate((("hybrid", "hybrid", "o"), ("full", "full-only", "s"))):
+    offset = (k - 0.5) * 0.38
+    rows = [tp_runs(c, mode)[0] for c in THROUGHPUT_CONTEXTS]
+    batch_ax.bar(x + offset, [r["mean_decode_batch"] for r in rows], 0.38, color=f"C{k}", label=label)
+    # Each context on its own: a point at the rounds' median, a bar from the slowest round to the fastest.
     rates = [[r["total_tokens_per_cpu_s"] for r in tp_runs(c, mode)] for c in THROUGHPUT_CONTEXTS]
     median = np.array([np.median(v) for v in rates])
-    ax2.errorbar(x + (k - 0.5) * 0.38, median, yerr=[median - [min(v) for v in rates], [max(v) for v in rates] - median],
-                 fmt=marker + "k", mfc="white", capsize=3,
-                 label=f"{label}: tokens per CPU-second (median, range of {TP_ROUNDS})")
-ax2.set_ylabel("prompt + output tokens per CPU-second")
-ax.set_xticks(x, [str(c) for c in THROUGHPUT_CONTEXTS])
-ax.set(xlabel="context (tokens)", ylabel="requests per decode-only step",
-       title="throughput at a fixed cache (2 full-only requests of c tokens), mini Gemma 3")
-nb.finish_figure(fig, "Hybrid KV cache groups vs full-only allocation")
-# The bars' legend on the left, the lines' on the right, both clear of the data.
-top = max(r["mean_decode_batch"] for r in tp_rows)
-ax.set_ylim(0, 1.45 * top)
-ax2.set_ylim(0, 1.45 * max(r["total_tokens_per_cpu_s"] for r in tp_rows))
-ax.legend(fontsize=8, loc="upper left")
-ax2.legend(fontsize=8, loc="upper right")
+    rate_ax.errorbar(x + offset, median, yerr=[median - [min(v) for v in rates], [max(v) for v in rates] - median],
+                     fmt=marker, color=f"C{k}", capsize=3, label=f"{label} (median, range of {TP_ROUNDS})")
+for panel in (batch_ax, rate_ax):
+    panel.set_xticks(x, [str(c) for c in THROUGHPUT_CONTEXTS])
+    panel.set_xlabel("context (tokens)")
+batch_ax.set(ylabel="mean requests per decode-only step", title="fixed cache: decode batch")
+rate_ax.set(ylabel="prompt + output tokens per CPU-second", title="fixed cache: throughput")
+rate_ax.set_ylim(0, 1.3 * max(r["total_tokens_per_cpu_s"] for r in tp_rows))
+batch_ax.set_ylim(0, 1.3 * max(r["mean_decode_batch"] for r in tp_rows))
+nb.finish_figure(fig, "Hybrid KV cache groups vs full-only allocation "
+                 "(bottom right: mini Gemma 3, a cache of 2 full-only requests of c tokens)")
 plt.show()
 
 # %% [markdown]
@@ -396,7 +396,11 @@ plt.show()
 
 # %%
 print(nb.save_figure(fig, "12_hybrid_kv_cache"))
+load_after = os.getloadavg()
+print(f"load average (1, 5, 15 min) before the measurements {load_before}, after {load_after}")
 print(nb.save_data("12_hybrid_kv_cache", {
+    "load_average_before": load_before,
+    "load_average_after": load_after,
     "block_size": BLOCK_SIZE, "kv_cache_bytes": KV_CACHE_BYTES, "max_num_batched_tokens": BUDGET,
     "shapes": shapes, "predicted": predicted, "gemma2_rfc_saving": gemma2_saving,
     "long_generation": {"prompt_len": PROMPT_LEN, "gen_len": GEN_LEN, "window": WINDOW, **generation},

@@ -88,7 +88,8 @@ print(f"device: {H200_DATASHEET.device}: {H200_DATASHEET.memory_bandwidth / 1e12
 # plus the collectives, assumed not to overlap the compute (vLLM does not overlap them
 # either). A configuration whose weights and KV cache do not fit in 90% of 141 GB per GPU
 # is left out. Left: what a step is made of at batch 64. Right: the speed-up of a step over
-# the smallest TP that fits the model (TP=1, or TP=2 for Llama-3.1-70B), while that still fits.
+# TP=2, the smallest TP all three models fit at (Llama-3.1-70B does not fit one GPU), while
+# that still fits; the dotted lines are the ideal, the ratio of the GPUs.
 
 # %%
 predictions = {
@@ -114,19 +115,23 @@ ax.set_ylabel("predicted ms per decode step (batch 64)")
 ax.set_title("PREDICTION (datasheet constants)", fontsize=9)
 ax.legend(fontsize=7)
 ax = axes[1]
-for name, rows in predictions.items():
-    # Against the smallest TP that fits at batch 1 (TP=1; TP=2 for the 70B model), where that still fits.
-    base_tp = min(r["tp_size"] for r in rows if r["fits"] and r["batch_size"] == 1)
-    base = {r["batch_size"]: r for r in rows if r["tp_size"] == base_tp and r["fits"]}
-    for tp in [t for t in TP_SIZES if t > base_tp]:
+BASE_TP = 2  # one baseline for every model: the smallest TP at which all of them fit at batch 1
+assert all(any(r["tp_size"] == BASE_TP and r["batch_size"] == 1 and r["fits"] for r in rows)
+           for rows in predictions.values())
+for (name, rows), color in zip(predictions.items(), ("C0", "C1", "C2")):
+    base = {r["batch_size"]: r for r in rows if r["tp_size"] == BASE_TP and r["fits"]}
+    for tp, style in zip([t for t in TP_SIZES if t > BASE_TP], ("--", "-")):
         points = [(r["batch_size"], base[r["batch_size"]]["step_s"] / r["step_s"])
                   for r in rows if r["tp_size"] == tp and r["fits"] and r["batch_size"] in base]
-        ax.plot(*zip(*points), marker="o", label=f"{name}: TP={tp} vs TP={base_tp}")
+        ax.plot(*zip(*points), style, marker="o", color=color, label=f"{name}: TP={tp}")
+for tp in [t for t in TP_SIZES if t > BASE_TP]:
+    ax.axhline(tp / BASE_TP, color="grey", lw=0.8, ls=":")
+    ax.text(BATCHES[0], tp / BASE_TP, f"ideal TP={tp}", color="grey", fontsize=7, va="bottom")
 ax.axhline(1.0, color="k", lw=0.8)
 ax.set_xscale("log", base=2)
 nb.tick_at([ax], BATCHES)
 ax.set_xlabel("batch size (requests decoding together)")
-ax.set_ylabel("predicted speed-up of a decode step")
+ax.set_ylabel(f"predicted speed-up of a decode step over TP={BASE_TP}")
 ax.set_title("PREDICTION (datasheet constants)", fontsize=9)
 ax.legend(fontsize=6)
 fig.suptitle(f"Predicted decode step on H200s (NVLink {link.bandwidth_per_direction / 1e9:.0f} GB/s per direction, "
@@ -166,7 +171,8 @@ for latency_s in (3e-6, 10e-6, 30e-6):
 # from 256 bytes to 64 MiB, `AR_REPEATS` times each after a barrier so that both start
 # together: the median is what a step meets on this machine, the fastest what the
 # mechanism costs when nothing else competes for the two cores. The marks are what a
-# decode step of our two CPU models sends per all-reduce (batch x hidden x 4 bytes).
+# decode step of our two CPU models sends per all-reduce (batch x hidden x 4 bytes), each
+# model's in a band of its own.
 
 # %%
 load_before = os.getloadavg()  # other processes on this machine compete for its two cores
@@ -187,16 +193,23 @@ sizes = [r["bytes"] for r in all_reduce]
 axes[0].loglog(sizes, [r["median_s"] * 1e6 for r in all_reduce], marker="o", label="median")
 axes[0].loglog(sizes, [r["min_s"] * 1e6 for r in all_reduce], marker=".", ls=":", label="fastest")
 axes[1].semilogx(sizes, [r["bus_GBps"] for r in all_reduce], marker="o")
-for (label, shape), color, style in zip(cpu_models.items(), ("tab:red", "tab:green"), (":", "--")):
+# Each model's marks in a band of its own (the first model's on top): the two models share
+# two of their sizes (tiny at batch 4 and 16 sends what the 168M one sends at batch 1 and 4).
+for k, ((label, shape), color, style) in enumerate(zip(cpu_models.items(), ("tab:red", "tab:green"), (":", "--"))):
+    low, high = 1 - (k + 1) / len(cpu_models), 1 - k / len(cpu_models)
     for b in STEP_BATCHES:
         for ax in axes:
-            ax.axvline(b * shape["hidden_size"] * 4, color=color, lw=1.0, ls=style)
+            ax.axvline(b * shape["hidden_size"] * 4, ymin=low, ymax=high, color=color, lw=1.5, ls=style)
+            ax.text(b * shape["hidden_size"] * 4, high - 0.02, f"B={b} ", transform=ax.get_xaxis_transform(),
+                    color=color, fontsize=7, rotation=90, ha="right", va="top")
     axes[0].plot([], [], color=color, ls=style, label=f"{label}: decode at B={STEP_BATCHES}")
 axes[0].set_xlabel("bytes all-reduced (float32)")
 axes[0].set_ylabel("µs per all-reduce")
 axes[1].set_xlabel("bytes all-reduced (float32)")
 axes[1].set_ylabel("bus bandwidth, GB/s (fastest repeat)")
 nb.finish_figure(fig, "gloo all-reduce, 2 processes x 1 thread, loopback; bus bandwidth = 2(p-1)/p x bytes / time")
+axes[0].get_legend().remove()  # below the panels instead, clear of the data and the marks
+fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, 0))
 print(nb.save_figure(fig, "13_tensor_parallel_all_reduce"))
 
 # %% [markdown]

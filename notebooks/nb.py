@@ -11,7 +11,7 @@ that says where its numbers came from:
   - smoke (`NANO_V1_SMOKE=1`): every size shrunk so the whole set executes in CI through
     a real Jupyter kernel in seconds. Smoke runs must not overwrite the committed
     results, so they write to `<tmp>/nano_v1_smoke_figures/` (same file names,
-    `"smoke": true` inside the JSON).
+    `"smoke": true` inside the JSON, "[SMOKE]" at the start of every figure's title).
 `$NANO_V1_FIGURES_DIR`, when set, takes every run's files instead (a GPU session's
 device script collects them there). On a GPU several engines alive at once each ask for
 a share of its memory (`gpu_memory_share`), as one engine would take 90% of it.
@@ -144,8 +144,19 @@ def finish_figure(fig, title: str) -> None:
     fig.tight_layout()
 
 
+SMOKE_MARK = "[SMOKE]"
+
+
+def mark_smoke(fig) -> None:
+    """In a smoke run, start `fig`'s title with "[SMOKE]": its sizes are shrunk, its numbers no result."""
+    title = fig.get_suptitle()
+    if SMOKE and not title.startswith(SMOKE_MARK):
+        fig.suptitle(f"{SMOKE_MARK} {title}".rstrip(), fontsize=10, color="tab:red")
+
+
 def save_figure(fig, name: str) -> Path:
-    """Write `fig` to <figures>/<name>.png and return the path."""
+    """Write `fig` to <figures>/<name>.png (its title marked in a smoke run) and return the path."""
+    mark_smoke(fig)
     path = figures_dir() / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -2,15 +2,18 @@
 
 A chapter quotes code by reference (`nano_v1/core/block_pool.py::BlockPool.touch`),
 never by a copy; this test resolves each reference with `ast` (no imports, so a chapter
-about CUDA graphs is checked on a laptop too). It also checks that each chapter opens
-with its box (files, notebook, test marker; chapters/TEMPLATE.md), that every image it
-embeds and every notebook it names is in the repository.
+about CUDA graphs is checked on a laptop too). The tests a chapter cites as evidence are
+held to the same rule: `tests/test_x.py` must exist and `tests/test_x.py::test_name` must
+define `test_name`. It also checks that each chapter opens with its box (files, notebook,
+test marker; chapters/TEMPLATE.md), that every image it embeds and every notebook it names
+is in the repository.
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -30,6 +33,9 @@ CODE_REF_RE = re.compile(
 CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
 IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 FIGURE_RE = re.compile(r"(?<![\w/.])(?:\.\./)?(figures/[\w./-]+\.(?:png|svg|jpg|json))")
+# This checkout's tests: tests/<module>.py and tests/helpers/<module>.py, maybe with ::Symbol. vLLM's
+# own tests, which chapters also cite, live deeper (tests/v1/core/...) and do not match.
+TEST_REF_RE = re.compile(r"(?<![\w/])(tests/(?:helpers/)?\w+\.py)(?:::([A-Za-z_][\w.]*[\w]))?")
 NOTEBOOK_RE = re.compile(r"(?<![\w/])notebooks/[\w.-]+\.(?:py|ipynb)")
 BOX_RE = re.compile(
     r"> \*\*Files\*\*: (?P<files>.+) · \*\*Notebook\*\*: (?P<notebook>.+) · \*\*Run\*\*: (?P<run>.+)"
@@ -81,6 +87,13 @@ def resolve(path: str, symbol: str) -> str | None:
     return None
 
 
+def resolve_test_reference(path: str, symbol: str) -> str | None:
+    """None if the test module `path` exists and, when `symbol` is given, defines it; else why not."""
+    if symbol:
+        return resolve(path, symbol)
+    return None if (REPO_ROOT / path).is_file() else f"{path} does not exist"
+
+
 def chapter_id(chapter: Path) -> str:
     return chapter.name[:2]
 
@@ -117,6 +130,19 @@ def test_code_references_resolve(chapter):
     assert not problems, "\n".join(problems)
 
 
+def test_test_references_resolve(chapter):
+    """Every test module a chapter names exists, and every `tests/...py::name` it cites is defined there."""
+    text = chapter.read_text(encoding="utf-8")
+    problems = sorted(
+        {
+            problem
+            for path, symbol in TEST_REF_RE.findall(text)
+            if (problem := resolve_test_reference(path, symbol))
+        }
+    )
+    assert not problems, f"{chapter.name} cites tests that do not exist:\n" + "\n".join(problems)
+
+
 def test_named_paths_exist(chapter):
     """Every `nano_v1/...`, `benchmarks/...`, `tools/...` and `notebooks/...` path in a code span (braces expanded) and every notebook named."""
     text = chapter.read_text(encoding="utf-8")
@@ -151,6 +177,12 @@ def test_resolve_finds_nested_symbols_and_reports_misses():
     assert resolve("nano_v1/core/block_pool.py", "BlockPool.touch") is None
     assert resolve("nano_v1/core/block_pool.py", "BlockPool.free_block_queue") is None  # self.<attr>
     assert resolve("nano_v1/core/block_pool.py", "BlockPool.nope").endswith("defines no BlockPool.nope")
+    assert resolve_test_reference("tests/test_chapters.py", "") is None
+    assert resolve_test_reference("tests/test_chapters.py", "test_there_are_chapters") is None
+    assert resolve_test_reference("tests/test_no_such.py", "") == "tests/test_no_such.py does not exist"
+    assert resolve_test_reference("tests/test_chapters.py", "test_renamed") == (
+        "tests/test_chapters.py defines no test_renamed"
+    )
 
 
 def test_patterns_pick_out_what_chapters_write():
@@ -163,6 +195,15 @@ def test_patterns_pick_out_what_chapters_write():
     assert IMAGE_RE.findall(text) == ["../figures/02_x.png"]
     assert FIGURE_RE.findall(text) == ["figures/02_x.png", "figures/data/02_x.json"]
     assert NOTEBOOK_RE.findall(text) == ["notebooks/02_paged_kv_cache.py"]
+    tests = (
+        "`tests/test_kv_cache.py::test_free_queue_matches_list_model`, tests/helpers/scheduler.py::FakeModelRunner, "
+        "`tests/test_llm.py`; vLLM's own `tests/v1/core/test_async_scheduler.py` is not ours."
+    )
+    assert TEST_REF_RE.findall(tests) == [
+        ("tests/test_kv_cache.py", "test_free_queue_matches_list_model"),
+        ("tests/helpers/scheduler.py", "FakeModelRunner"),
+        ("tests/test_llm.py", ""),
+    ]
     assert expand_braces("a/{b,c}.py") == ["a/b.py", "a/c.py"]
 
 
@@ -233,3 +274,105 @@ def test_map_paths_reads_the_first_column():
         "\n| `after.py` |\n"
     )
     assert map_paths(text) == ["core/a.py", "core/b.py", "x.py", "multimodal/"]
+
+
+# Chapter 13's counts: "161 all-reduces", "162 collectives", "162 of them at 10 µs".
+COUNT_RE = re.compile(r"(\d+)\s+(all-reduces|collectives|of\s+them)(\s+at\s+\d+\s+µs)?")
+
+
+def tensor_parallel_counts(record: dict) -> tuple[set[int], set[int]]:
+    """(all-reduces, collectives) per decode step that figures/data/13_tensor_parallel.json holds:
+    the predicted models' collectives (their fixed cost over the link's latency; one of them is
+    the logits' all-gather, the rest all-reduces) and the CPU models' `2 x layers + 1` all-reduces."""
+    latency_s = record["link"]["latency_s"]
+    collectives = {
+        round(row["comm_latency_s"] / latency_s)
+        for rows in record["predictions"].values()
+        for row in rows
+        if row["tp_size"] > 1
+    }
+    all_reduces = {count - 1 for count in collectives}
+    all_reduces |= {2 * shape["num_hidden_layers"] + 1 for shape in record["cpu_models"].values()}
+    return all_reduces, collectives
+
+
+def wrong_counts(text: str, all_reduces: set[int], collectives: set[int]) -> list[str]:
+    """Counts in `text` the JSON does not give: a count charged at a latency ('N ... at 10 µs') is
+    one of collectives, 'N collectives' too, 'N all-reduces' one of all-reduces."""
+    wrong = []
+    for match in COUNT_RE.finditer(text):
+        count, kind, at_latency = int(match[1]), match[2], bool(match[3])
+        if at_latency or kind == "collectives":
+            if count not in collectives:
+                wrong.append(f"{match[0]!r}: collectives per step are {sorted(collectives)}")
+        elif kind == "all-reduces" and count not in all_reduces:
+            wrong.append(f"{match[0]!r}: all-reduces per step are {sorted(all_reduces)}")
+    return wrong
+
+
+def test_chapter_13_counts_the_collectives_its_json_counts():
+    record = json.loads((REPO_ROOT / "figures" / "data" / "13_tensor_parallel.json").read_text())
+    all_reduces, collectives = tensor_parallel_counts(record)
+    text = (REPO_ROOT / "chapters" / "13-tensor-parallel.md").read_text(encoding="utf-8")
+    problems = wrong_counts(text, all_reduces, collectives)
+    assert not problems, "chapter 13 quotes counts its JSON does not give:\n" + "\n".join(problems)
+
+
+def test_wrong_counts_reads_what_chapter_13_writes():
+    text = "161 all-reduces of 1 MiB; 161 of them at 10 µs; its 162 collectives at 10 µs; 9 all-reduces; 8 of them"
+    assert wrong_counts(text, {161, 9}, {162}) == ["'161 of them at 10 µs': collectives per step are [162]"]
+    assert wrong_counts("and 17\nall-reduces", {161}, {162}) == ["'17\\nall-reduces': all-reduces per step are [161]"]
+
+
+# A measurement's conditions are data too: a chapter that calls its run quiet, or quotes the load
+# average, says what its JSON recorded, and cites no run the repository has no record of.
+# The chapters audited for it (issue 31): their notebooks record the load before and after.
+LOAD_AUDITED_CHAPTERS = ("11", "12", "13")
+LOAD_CLAIM_RE = re.compile(r"load\s+average[^.;)]{0,40}|quiet", re.IGNORECASE)  # the numbers right after it
+NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
+UNRECORDED_RUN_RE = re.compile(r"one-off|(?:earlier|previous|other)\s+runs?\b|run\s+before\s+this\s+one", re.IGNORECASE)
+
+
+def recorded_loads(text: str) -> list[float]:
+    """The load averages (before and after) the figures/data JSONs that `text` cites record."""
+    loads = []
+    for path in sorted(set(FIGURE_RE.findall(text))):
+        if path.startswith("figures/data/") and path.endswith(".json"):
+            record = json.loads((REPO_ROOT / path).read_text())
+            loads += record.get("load_average_before", []) + record.get("load_average_after", [])
+    return loads
+
+
+def unbacked_load_claims(text: str, loads: list[float]) -> list[str]:
+    """Claims about the machine's load that `loads` does not back: any claim when nothing is
+    recorded, and any number quoted after 'load average' that no recorded value rounds to."""
+    problems = [f"{match[0]!r}: no run on record" for match in UNRECORDED_RUN_RE.finditer(text)]
+    for match in LOAD_CLAIM_RE.finditer(text):
+        claim = " ".join(match[0].split())
+        if not loads:
+            problems.append(f"{claim!r}: the JSONs cited record no load average")
+        for number in NUMBER_RE.findall(claim):
+            decimals = len(number.partition(".")[2])
+            if not any(round(load, decimals) == float(number) for load in loads):
+                problems.append(f"{claim!r}: {number} is not a recorded load average ({loads})")
+    return problems
+
+
+@pytest.mark.parametrize("number", LOAD_AUDITED_CHAPTERS)
+def test_load_claims_are_recorded(number):
+    (chapter,) = [c for c in CHAPTERS if chapter_id(c) == number]
+    text = chapter.read_text(encoding="utf-8")
+    problems = unbacked_load_claims(text, recorded_loads(text))
+    assert not problems, f"{chapter.name} claims what no committed data records:\n" + "\n".join(problems)
+
+
+def test_unbacked_load_claims_reads_what_chapters_write():
+    text = "on a quiet 2-core CPU (load\naverage 0.45 before the run, 1.63 after), a one-off profile"
+    assert unbacked_load_claims(text, [0.45166, 0.91, 1.62744]) == ["'one-off': no run on record"]
+    assert unbacked_load_claims("a load average of 8 to 9", [0.45]) == [
+        "'load average of 8 to 9': 8 is not a recorded load average ([0.45])",
+        "'load average of 8 to 9': 9 is not a recorded load average ([0.45])",
+    ]
+    assert unbacked_load_claims("three rounds on a quiet machine", []) == [
+        "'quiet': the JSONs cited record no load average"
+    ]

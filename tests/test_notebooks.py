@@ -94,3 +94,41 @@ def test_committed_results_say_where_they_ran():
             f"{path.name} is a smoke run; rerun the notebook without NANO_V1_SMOKE"
         )
         assert ENVIRONMENT_KEYS <= record["environment"].keys(), path.name
+
+
+@pytest.mark.ch00
+def test_smoke_figures_say_so_in_their_title(tmp_path, monkeypatch):
+    """A smoke run's figure (shrunk sizes, numbers that mean nothing) is titled "[SMOKE] ...", once,
+    however the notebook titled it; a full run's title is the notebook's."""
+    from matplotlib.figure import Figure
+
+    from notebooks import nb
+
+    monkeypatch.setenv("NANO_V1_FIGURES_DIR", str(tmp_path))
+
+    def saved_title(smoke: bool, title: str | None) -> str:
+        monkeypatch.setattr(nb, "SMOKE", smoke)
+        fig = Figure()
+        fig.add_subplot().plot([1, 2])
+        if title is not None:
+            fig.suptitle(title, fontsize=10)
+        assert nb.save_figure(fig, "00_title").is_file()
+        nb.save_figure(fig, "00_title")  # saved twice, marked once
+        return fig.get_suptitle()
+
+    assert saved_title(True, "decode step: 2-core CPU") == "[SMOKE] decode step: 2-core CPU"
+    assert saved_title(True, None) == "[SMOKE]"
+    assert saved_title(False, "decode step: 2-core CPU") == "decode step: 2-core CPU"
+
+
+@pytest.mark.ch00
+def test_no_figure_has_two_y_axes():
+    """A panel with a second y-axis (`twinx`, `secondary_yaxis`) is easily read against the
+    wrong scale: one quantity per panel, side by side."""
+    offenders = [
+        f"{notebook.name}:{n}"
+        for notebook in NOTEBOOKS
+        for n, line in enumerate(notebook.read_text(encoding="utf-8").splitlines(), start=1)
+        if "twinx(" in line or "secondary_yaxis(" in line
+    ]
+    assert not offenders, "panels with two y-axes: " + ", ".join(offenders)
