@@ -327,8 +327,9 @@ def test_wrong_counts_reads_what_chapter_13_writes():
 # A measurement's conditions are data too: a chapter that calls its run quiet, or quotes the load
 # average, says what its JSON recorded, and cites no run the repository has no record of.
 # The chapters audited for it (issue 31): their notebooks record the load before and after.
-LOAD_AUDITED_CHAPTERS = ("11", "12", "13")
-LOAD_CLAIM_RE = re.compile(r"load\s+average[^.;)]{0,40}|quiet", re.IGNORECASE)  # the numbers right after it
+LOAD_AUDITED_CHAPTERS = ("11", "12", "13", "14")
+# The numbers right after it, decimals included (a "." ends the claim only when no digit follows).
+LOAD_CLAIM_RE = re.compile(r"load\s+average(?:[^.;)]|\.(?=\d)){0,40}|quiet", re.IGNORECASE)
 NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
 UNRECORDED_RUN_RE = re.compile(r"one-off|(?:earlier|previous|other)\s+runs?\b|run\s+before\s+this\s+one", re.IGNORECASE)
 
@@ -369,6 +370,9 @@ def test_load_claims_are_recorded(number):
 def test_unbacked_load_claims_reads_what_chapters_write():
     text = "on a quiet 2-core CPU (load\naverage 0.45 before the run, 1.63 after), a one-off profile"
     assert unbacked_load_claims(text, [0.45166, 0.91, 1.62744]) == ["'one-off': no run on record"]
+    assert unbacked_load_claims("load average 0.8 before", [0.45]) == [
+        "'load average 0.8 before': 0.8 is not a recorded load average ([0.45])"
+    ]
     assert unbacked_load_claims("a load average of 8 to 9", [0.45]) == [
         "'load average of 8 to 9': 8 is not a recorded load average ([0.45])",
         "'load average of 8 to 9': 9 is not a recorded load average ([0.45])",
