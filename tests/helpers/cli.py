@@ -1,4 +1,4 @@
-"""The `nano-v1` command in a process of its own, as a user runs it (chapters 01, 09, 14)."""
+"""The `nano-v1` command in a process of its own, as a user runs it (chapters 01 and 09)."""
 
 from __future__ import annotations
 
