@@ -696,11 +696,12 @@ class GPUModelRunner:
         input_batch.token_ids_cpu[rows, positions] = sampled_np[rows, offsets]
         input_batch.num_tokens[: len(req_ids)] += num_sampled.astype(np.int32)
         kept = num_sampled > 0
-        for i in np.flatnonzero(kept):
+        kept_rows = np.flatnonzero(kept).tolist()
+        for i in kept_rows:
             self.requests[req_ids[i]].output_token_ids.extend(sampled_token_ids[i])
         if self.use_async_scheduling:
             input_batch.prev_sampled_token_ids = sampler_output.sampled_token_ids
-            input_batch.prev_req_id_to_index = {req_ids[i]: i for i in np.flatnonzero(kept).tolist()}
+            input_batch.prev_req_id_to_index = {req_ids[i]: i for i in kept_rows}
         logprobs = None
         if sampler_output.logprobs_tensors is not None:
             num_logprobs = input_batch.num_logprobs

@@ -478,6 +478,19 @@ def request_specs(workload) -> list[dict]:
     return [dict(defaults, **spec, arrival_time=float(i)) for i, spec in enumerate(workload.requests)]
 
 
+def runner_output_of(sampled: dict[str, list[int]]) -> ModelRunnerOutput:
+    """vLLM's `ModelRunnerOutput` for a step whose requests sampled `sampled` (request id -> tokens)."""
+    req_ids = list(sampled)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[list(sampled[rid]) for rid in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
 def record(name: str, model_dir: str) -> dict:
     workload = WORKLOADS[name]
     config = dict(DEFAULT_CONFIG, **workload.config)
@@ -509,15 +522,7 @@ def record(name: str, model_dir: str) -> dict:
         }
         sampled = model.execute(so)
         entry["model_output"] = {rid: list(t) for rid, t in sampled.items()}
-        req_ids = list(sampled)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[list(sampled[rid]) for rid in req_ids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+        runner_output = runner_output_of(sampled)
         engine_outputs = scheduler.update_from_output(so, runner_output)
         entry["outputs"] = output_fields(out for eco in engine_outputs.values() for out in eco.outputs)
         if config["num_spec_tokens"] and so.total_num_scheduled_tokens > 0:
@@ -579,17 +584,7 @@ class FakeExecutor:
             tokens.append(next_token(tokens))
             sampled[req_id] = [tokens[-1]]
         self.sampled = sampled
-        req_ids = list(sampled)
-        return PendingOutput(
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=[list(sampled[rid]) for rid in req_ids],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            )
-        )
+        return PendingOutput(runner_output_of(sampled))
 
 
 def record_async(name: str, model_dir: str) -> dict:
