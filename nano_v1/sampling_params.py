@@ -1,6 +1,6 @@
 """Sampling parameters: how one request turns logits into tokens, and when it stops.
 
-Mirrors vllm/sampling_params.py (chapter 01).
+Mirrors vllm/sampling_params.py (chapter 01; `StructuredOutputsParams`, chapter 15).
 
 This is a user-facing boundary, so every field is checked here, once, with a
 `ValueError` that names the field; nothing downstream re-validates. What needs the model
@@ -30,6 +30,60 @@ def _is_int(value: object) -> bool:
 def _is_number(value: object) -> bool:
     """A finite int or float (bool excluded): NaN would pass every range check unnoticed."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (chapter 15): exactly one of `json` (a JSON
+    schema, as a dict or its text), `json_object` (any JSON object), `regex`, `choice` (one of
+    these strings) or `grammar` (an EBNF grammar in xgrammar's dialect, GBNF).
+
+    Checked here for shape only; whether a schema, regex or grammar compiles is checked
+    where the grammar engine lives, in `Processor` (`validate_xgrammar_grammar`).
+
+    The options, as in v0.11.0: `disable_any_whitespace` compiles a JSON grammar without
+    free whitespace between tokens; `whitespace_pattern` (a regex) replaces that free
+    whitespace with what it matches; `disable_additional_properties` forbids properties a
+    schema does not list, which xgrammar does anyway (it reads a schema strictly).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) is not None
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, regex, choice, grammar or json_object, "
+                f"got {kinds or 'none'}."
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured outputs' json must be a schema (a dict or its JSON text), got {self.json!r}.")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured outputs' {name} must be a non-empty string, got {value!r}.")
+        if self.choice is not None and not (
+            isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured outputs' choice must be a non-empty list of strings, got {self.choice!r}.")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured outputs' json_object must be True when given, got {self.json_object!r}.")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured outputs' {name} must be True or False, got {getattr(self, name)!r}.")
+        if self.disable_any_whitespace and self.whitespace_pattern is not None:
+            raise ValueError("structured outputs: give disable_any_whitespace or whitespace_pattern, not both.")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -90,6 +144,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Anything a custom logits processor reads (e.g. {"target_token": 7}); the engine never does.
     extra_args: dict[str, Any] | None = None
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (chapter 15).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer; not user settings.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
@@ -211,6 +267,10 @@ class SamplingParams:
             self.extra_args is None
             or (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)),
             f"extra_args must be a dict with string keys, got {self.extra_args!r}.",
+        )
+        check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}.",
         )
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
