@@ -73,9 +73,15 @@ NOTEBOOKS = (
     "12_hybrid_kv_cache",
     "13_tensor_parallel",
     "14_async_scheduling",
+    "15_structured_outputs",
 )
-# Packages a notebook needs beyond the GPU image's: 09 and 14 start engine-core processes (ZMQ, msgpack).
-NOTEBOOK_NEEDS = {"09_processes": ("zmq", "msgspec"), "14_async_scheduling": ("zmq", "msgspec")}
+# Packages a notebook needs beyond the GPU image's: 09 and 14 start engine-core processes (ZMQ, msgpack);
+# 15 needs the grammar engine and its oracle.
+NOTEBOOK_NEEDS = {
+    "09_processes": ("zmq", "msgspec"),
+    "14_async_scheduling": ("zmq", "msgspec"),
+    "15_structured_outputs": ("xgrammar", "jsonschema"),
+}
 NOTEBOOK_CAP_S = 60.0  # one notebook at smoke sizes: start-up, compiled engines, its own sweeps
 
 
