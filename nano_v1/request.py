@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from nano_v1.sampling_params import SamplingParams
+from nano_v1.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from nano_v1.core.kv_cache_utils import BlockHash, RequestBlockHasher
@@ -30,6 +31,7 @@ class RequestStatus(enum.IntEnum):
     """Life cycle of a request. Every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling (chapter 15)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
@@ -72,6 +74,12 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.priority = priority
         self.status = RequestStatus.WAITING
+        # Structured outputs (chapter 15): the grammar's state; the request waits for it to compile.
+        self.structured_output_request: StructuredOutputRequest | None = None
+        self.use_structured_output = sampling_params.structured_outputs is not None
+        if self.use_structured_output:
+            self.status = RequestStatus.WAITING_FOR_FSM
+            self.structured_output_request = StructuredOutputRequest(sampling_params)
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens
 

@@ -58,6 +58,7 @@ from nano_v1.executor import Executor
 from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.outputs import ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
+from nano_v1.structured_output import StructuredOutputManager
 from nano_v1.utils import exit_when_parent_dies, make_zmq_socket, use_mp_temp_dir_in
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ class EngineCore:
             self.model_executor.shutdown()  # no worker process outlives a failed start
             raise
         scheduler_cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
-        self.scheduler: Scheduler = scheduler_cls(vllm_config, kv_cache_config)
+        # Grammars compile in the manager's threads; the scheduler builds each step's bitmask (chapter 15).
+        self.structured_output_manager = StructuredOutputManager(vllm_config)
+        self.scheduler: Scheduler = scheduler_cls(vllm_config, kv_cache_config, self.structured_output_manager)
         # Steps in flight at once (chapter 14): with more than one, `step_with_batch_queue`
         # schedules the next step before the last one's output is back.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
@@ -134,18 +137,20 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already running.")
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                block_hasher=self.request_block_hasher,
-                mm_features=request.mm_features,
-            )
+        req = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            block_hasher=self.request_block_hasher,
+            mm_features=request.mm_features,
         )
+        if req.use_structured_output:
+            # Compiles in a thread; the scheduler passes the request over until it is done.
+            self.structured_output_manager.grammar_init(req)
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -218,8 +223,9 @@ class EngineCore:
         return self.model_executor.collective_rpc(method, args=args)
 
     def shutdown(self) -> None:
-        """Stop the workers (their processes, if any)."""
+        """Stop the workers (their processes, if any) and the grammar compiler's threads."""
         self.model_executor.shutdown()
+        self.structured_output_manager.clear_backend()
 
     def get_kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by requests (0.0 once every request has finished)."""

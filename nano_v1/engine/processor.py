@@ -1,13 +1,15 @@
 """Input processing: turn a user prompt and its sampling parameters into an `EngineCoreRequest`.
 
-Mirrors vllm/v1/engine/processor.py (chapters 01 and 11).
+Mirrors vllm/v1/engine/processor.py (chapters 01, 11 and 15).
 
 Why here: this is the boundary where user input enters the engine, so every check that
 can fail because of the user happens here, before anything is queued. A bad prompt is
 rejected with a `ValueError` that names the problem, and no other request is touched.
 A multimodal model's prompt may carry images (`{"prompt": ..., "multi_modal_data":
 {"image": ...}}`); the model's processor checks them and expands their placeholders
-here too (chapter 11), so the engine core receives nothing it could fail on.
+here too (chapter 11), so the engine core receives nothing it could fail on. A
+structured-output request's schema, regex or grammar is converted by xgrammar here
+(chapter 15), so that one that cannot be built never reaches the scheduler.
 
 What differs from v0.11.0: `truncate_prompt_tokens` is checked and applied here, in one
 place; v0.11.0 checks it in `LLM` and `AsyncLLM` (`_validate_truncation_size` in
@@ -95,6 +97,7 @@ class Processor:
         scheduler_config = vllm_config.scheduler_config
         self.max_num_encoder_input_tokens = scheduler_config.max_num_encoder_input_tokens
         self.encoder_cache_size = scheduler_config.encoder_cache_size
+        self.async_scheduling = scheduler_config.async_scheduling
 
     def tokenize(self, prompt: PromptType, truncating: bool = False) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids), validating their form.
@@ -156,6 +159,7 @@ class Processor:
         max_model_len = self.model_config.max_model_len
         params = copy.copy(params)  # the engine fills in per-request fields
         self._validate_sampling_params(params)
+        self._validate_structured_output(params)
         room = max_model_len - len(token_ids)
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.all_stop_token_ids = set(params.stop_token_ids)
@@ -245,6 +249,24 @@ class Processor:
                 self._validate_text(word, what=f"bad word {word[:20]!r}")
             params.update_from_tokenizer(self.tokenizer)
             self._validate_token_ids("bad_words", [t for ids in params.bad_words_token_ids for t in ids])
+
+    def _validate_structured_output(self, params: SamplingParams) -> None:
+        """Check that xgrammar can build the request's grammar (chapter 15), on a copy of its
+        `structured_outputs`: the check rewrites a choice (and whitespace options) as a grammar."""
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model {self.model_config.model!r} has no tokenizer: structured outputs need one to map the "
+                "grammar onto tokens."
+            )
+        if self.async_scheduling:
+            # The bitmask of step N + 1 would be built before step N's token reaches the matcher.
+            raise ValueError("structured outputs are not supported with async scheduling in this release.")
+        from nano_v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+        params.structured_outputs = copy.copy(params.structured_outputs)
+        validate_xgrammar_grammar(params)
 
     def _validate_token_ids(self, name: str, token_ids: list[int]) -> None:
         invalid = [t for t in token_ids if not 0 <= t < self.vocab_size]

@@ -88,6 +88,7 @@ from nano_v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSamp
 from nano_v1.sample.sampler import Sampler, SamplerOutput
 from nano_v1.spec_decode.metadata import SpecDecodeMetadata, calc_spec_decode_metadata, segment_arange
 from nano_v1.spec_decode.ngram_proposer import NgramProposer
+from nano_v1.structured_output.utils import apply_grammar_bitmask
 from nano_v1.worker.block_table import CpuGpuBuffer
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from nano_v1.worker.utils import bind_kv_cache
@@ -829,6 +830,9 @@ class GPUModelRunner:
         with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
             hidden_states = self.model(*self._model_inputs(num_input_tokens))
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
+        if scheduler_output.grammar_bitmask is not None:
+            # Structured outputs (chapter 15): forbidden tokens' logits to -inf, before any sampling.
+            apply_grammar_bitmask(scheduler_output, self.input_batch, logits, self.device)
         if self.use_async_scheduling:
             # The sampler may read output tokens (bad words): the last step's must be real. Waiting
             # for them now costs the device nothing, as this step is queued behind that one.

@@ -8,6 +8,9 @@ first time travels in full (`NewRequestData`); a request the runner already hold
 travels as a few columns (`CachedRequestData`): its new blocks and its progress.
 Tokens the runner sampled itself never travel back to it.
 
+Chapter 15 adds the grammar bitmask of the step's structured requests, built in the
+scheduler process; the runner only applies it.
+
 Chapter 11 adds the encoder's part of the step: which images the runner encodes now
 (`scheduled_encoder_inputs`) and which cached encoder outputs it may drop
 (`free_encoder_mm_hashes`).
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sampling_params import SamplingParams
@@ -88,3 +93,8 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     # mm_hashes evicted from the encoder cache since the last step: the runner drops their outputs.
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # {request_id: its index among the step's requests} for requests under a grammar (chapter 15) ...
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # ... and their packed bitmask, [rows, ceil(vocab / 32)] int32, a row per token to sample
+    # (1 + drafts per request, in that index order); None when no request is structured.
+    grammar_bitmask: np.ndarray | None = None

@@ -25,6 +25,12 @@ image's positions only if the image's encoder output is cached or the image is e
 in this very step, whole, within the step's encoder compute budget and the encoder
 cache's space. Otherwise the chunk stops just before the image.
 
+Structured outputs (chapter 15) add a state and a column: a request whose grammar is
+still compiling waits in `WAITING_FOR_FSM` and is passed over (the requests behind it
+go on), and each step's output carries the grammar bitmask of its structured requests
+(`get_grammar_bitmask`); `update_from_output` advances their matchers by the tokens
+kept, and `update_draft_token_ids` cuts drafts at the first token the grammar forbids.
+
 What differs from v0.11.0: the encoder budget and cache size come settled in the
 `SchedulerConfig` (`SchedulerConfig.resolve_encoder_budget`); v0.11.0's scheduler takes
 an `mm_registry` and computes them itself (`compute_encoder_budget`).
@@ -32,7 +38,10 @@ an `mm_registry` and computes them itself (`compute_encoder_budget`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+
+import numpy as np
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.encoder_cache_manager import EncoderCacheManager
@@ -46,6 +55,9 @@ from nano_v1.metrics.stats import SchedulerStats
 from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.spec_decode.metrics import SpecDecodingStats
+from nano_v1.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -53,6 +65,7 @@ class Scheduler:
         self,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         scheduler_config = vllm_config.scheduler_config
         cache_config = vllm_config.cache_config
@@ -87,11 +100,16 @@ class Scheduler:
         self.encoder_cache_manager = EncoderCacheManager(cache_size=scheduler_config.encoder_cache_size)
         self.disable_chunked_mm_input = scheduler_config.disable_chunked_mm_input
 
+        # Grammars and their matchers (chapter 15); the engine core shares its manager.
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(vllm_config)
+
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished since the last step: the model runner drops their cached state.
         self.finished_req_ids: set[str] = set()
+        # Requests finished before they ran (their grammar failed to compile): reported next update.
+        self.finished_before_running: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -219,6 +237,16 @@ class Scheduler:
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
+                # A structured request whose grammar is still compiling is passed over (chapter 15).
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    structured_output_req = request.structured_output_request
+                    if not structured_output_req.is_grammar_ready:
+                        skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                        continue
+                    if structured_output_req.error is not None:
+                        self._finish_before_running(self.waiting.pop_request(), structured_output_req.error)
+                        continue
+                    request.status = RequestStatus.WAITING
                 # A new request (or one preempted earlier, which restarts from zero) first
                 # looks for its prompt's leading full blocks in the prefix cache.
                 new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -289,6 +317,9 @@ class Scheduler:
                 self.running[0], len(self.running)
             )
 
+        structured_output_request_ids, grammar_bitmask = self.get_grammar_bitmask(
+            scheduled_new_reqs + scheduled_running_reqs + scheduled_resumed_reqs, scheduled_spec_decode_tokens
+        )
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
@@ -304,9 +335,37 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             scheduled_encoder_inputs=scheduled_encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            structured_output_request_ids=structured_output_request_ids,
+            grammar_bitmask=grammar_bitmask,
         )
         self._update_after_schedule(scheduler_output)
         return scheduler_output
+
+    def get_grammar_bitmask(
+        self, requests: list[Request], scheduled_spec_decode_tokens: dict[str, list[int]]
+    ) -> tuple[dict[str, int], np.ndarray | None]:
+        """The structured requests among this step's (request id -> index in `requests`, the
+        order of the bitmask's rows) and their bitmask, None when there are none. A prefill
+        chunk that samples nothing gets its row too, as in v0.11.0: the runner discards it."""
+        structured_output_request_ids = {
+            request.request_id: i for i, request in enumerate(requests) if request.use_structured_output
+        }
+        if not structured_output_request_ids:
+            return structured_output_request_ids, None
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            self.requests, structured_output_request_ids, scheduled_spec_decode_tokens
+        )
+        return structured_output_request_ids, bitmask
+
+    def _finish_before_running(self, request: Request, error: str) -> None:
+        """Abort a waiting request whose grammar could not be built; its client is told at the
+        next update. The engine and every other request go on."""
+        logger.warning("request %s aborted: its grammar failed to compile: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self.finished_before_running.append(
+            EngineCoreOutput(request.request_id, [], None, request.get_finished_reason(), error, 0, None)
+        )
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Advance optimistically: the scheduled tokens are "computed" as of the end of the
@@ -498,6 +557,8 @@ class Scheduler:
 
             status_before_stop = request.status
             new_token_ids, is_stopped = update_request_with_output(request, new_token_ids)
+            if request.use_structured_output and self.structured_output_manager.should_advance(request):
+                request.structured_output_request.grammar.accept_tokens(req_id, new_token_ids)
             new_logprobs = logprobs[req_index][: len(new_token_ids)] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
@@ -524,6 +585,9 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in gone]
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
+        if self.finished_before_running:
+            outputs.extend(self.finished_before_running)
+            self.finished_before_running = []
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_decoding_stats))
 
     def _update_request_with_output(
@@ -553,7 +617,8 @@ class Scheduler:
         """Store the proposer's drafts on their requests; the next schedule() schedules them.
 
         Drafts are clipped so that a step can never take a request past `max_tokens` or
-        `max_model_len`: k drafts can yield k + 1 tokens.
+        `max_model_len`: k drafts can yield k + 1 tokens; a structured request's are cut
+        before the first token its grammar forbids (chapter 15).
         """
         for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             request = self.requests.get(req_id)
@@ -562,7 +627,10 @@ class Scheduler:
             num_allowed = self.max_model_len - request.num_tokens
             if request.max_tokens is not None:
                 num_allowed = min(num_allowed, request.max_tokens - request.num_output_tokens)
-            request.spec_token_ids = spec_token_ids[: max(num_allowed - 1, 0)]
+            spec_token_ids = spec_token_ids[: max(num_allowed - 1, 0)]
+            if spec_token_ids and self.structured_output_manager.should_advance(request):
+                spec_token_ids = request.structured_output_request.grammar.validate_tokens(spec_token_ids)
+            request.spec_token_ids = spec_token_ids
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
