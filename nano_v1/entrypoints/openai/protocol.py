@@ -20,18 +20,20 @@ first bad item (`fail_fast`), and a request has at most `MAX_STOP` stop strings,
 
 A request may constrain its output (chapter 15) in OpenAI's way, `response_format`
 (`json_object`, or `json_schema` with a schema), or in vLLM's, `structured_outputs` (a JSON
-schema, a regex, a choice or a grammar, as `StructuredOutputsParams`); not both at once.
-Here only their shape is checked; whether a schema, regex or grammar compiles is checked by
-`Processor`, which the request reaches next, and is a 400 too.
+schema, a regex, a choice or a grammar, as `StructuredOutputsParams`); not both, though
+`structured_outputs` may add its options (`disable_any_whitespace`, ...) to a
+`response_format`, as in vLLM. Here only their shape is checked; whether a schema, regex or
+grammar compiles is checked by `Processor`, which the request reaches next, and is a 400 too.
 
 What differs from v0.11.0: v0.11.0 ignores unknown fields (with a warning) and has no
 bound on stop strings, prompts or messages per request; its token ids accept what pydantic
 coerces to int (`"1"`, `true`), ours only JSON integers; it clamps a `logit_bias` value to
 [-100, 100] where ours is a 400 outside it (OpenAI's range), and bounds neither
 `bad_words` nor `logit_bias` in size. v0.11.0's completions read only `response_format`'s
-`json_object`, and only with `structured_outputs` also given (which it then merges into);
-here both endpoints read every `response_format`, and giving it with `structured_outputs`
-is a 400. v0.11.0's `structural_tag` format and deprecated `guided_*` fields are not served.
+`json_object`, and only with `structured_outputs` also given; here both endpoints read every
+`response_format`. v0.11.0 lets `response_format` overwrite a constraint `structured_outputs`
+gives (or adds a second one); here that is a 400. v0.11.0's `structural_tag` format and
+deprecated `guided_*` fields are not served.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_VLLM_XARGS = 64
 # How many unknown fields an error names; it counts the rest.
 MAX_NAMED_FIELDS = 3
+# The fields of `StructuredOutputsParams` that choose the constraint; its others are options.
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 # Token ids: JSON integers only (not "1" or true), and a list stops at its first bad item.
 TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
@@ -161,6 +165,14 @@ class ResponseFormat(OpenAIRequestModel):
             raise ValueError('json_schema is required with type "json_schema", and only with it.')
         return self
 
+    def _constraint(self) -> dict[str, Any]:
+        """The `StructuredOutputsParams` field this format sets: none for "text"."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.json_schema}
+        return {}
+
 
 def _reject_unless(no_op_values: tuple[Any, ...]):
     """A validator for an OpenAI field nano_v1 does not implement: only its no-op values pass."""
@@ -210,10 +222,11 @@ class SamplingRequest(OpenAIRequestModel):
     # vLLM's: the prompt's own logprobs and the top `prompt_logprobs` per prompt token, in the
     # response's `prompt_logprobs` (a whole response's only: not with stream, as vLLM).
     prompt_logprobs: StrictInt | None = None
-    # A constraint on the output (chapter 15): OpenAI's spelling, or vLLM's (validated by
-    # `StructuredOutputsParams` itself: its fields, exactly one kind of constraint).
+    # A constraint on the output (chapter 15), in OpenAI's spelling or vLLM's (validated by
+    # `StructuredOutputsParams` itself). Once validated, `structured_outputs` is the request's
+    # whole constraint: its own, or `response_format`'s with its options.
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputsParams | None = Field(None, validate_default=True)
 
     @field_validator("logit_bias")
     @classmethod
@@ -233,24 +246,25 @@ class SamplingRequest(OpenAIRequestModel):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return self
 
-    @model_validator(mode="after")
-    def _check_one_constraint(self) -> SamplingRequest:
-        if self.structured_outputs is not None and self._constrains_format():
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _add_response_format(cls, value: Any, info: ValidationInfo) -> Any:
+        """`structured_outputs` with `response_format`'s constraint added (validated before it:
+        it is declared first); `structured_outputs` may then give only options."""
+        response_format = info.data.get("response_format")
+        constraint = {} if response_format is None else response_format._constraint()
+        if not constraint:
+            return value
+        if value is None:
+            return constraint
+        if not isinstance(value, dict):
+            return value  # not an object: pydantic's error names its type
+        if given := [kind for kind in STRUCTURED_OUTPUTS_KINDS if value.get(kind) is not None]:
             raise ValueError(
-                "give response_format or structured_outputs, not both: each constrains the output."
+                f"give response_format or structured_outputs' {given[0]}, not both: each constrains "
+                "the output."
             )
-        return self
-
-    def _constrains_format(self) -> bool:
-        return self.response_format is not None and self.response_format.type != "text"
-
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The output's constraint: `structured_outputs` as given, or `response_format`'s."""
-        if not self._constrains_format():
-            return self.structured_outputs
-        if self.response_format.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
+        return {**value, **constraint}
 
     def num_logprobs(self) -> int | None:
         """Top logprobs per token (0: the sampled token's only), or None for no logprobs."""
@@ -285,7 +299,7 @@ class SamplingRequest(OpenAIRequestModel):
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=self._structured_outputs(),
+            structured_outputs=self.structured_outputs,
         )
 
 
