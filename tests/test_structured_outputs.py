@@ -411,3 +411,16 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer, compiler):
         matcher = xgr.GrammarMatcher(grammar)
         accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
         assert (accepted and matcher.accept_token(0)) == (text in CHOICES), text
+
+
+def test_a_reset_grammar_starts_over(tokenizer):
+    """Rule: after `reset()` a grammar accepts its first token again, even once it had terminated."""
+    from nano_v1.structured_output.backend_types import StructuredOutputOptions
+    from nano_v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    backend = XgrammarBackend(types.SimpleNamespace(), tokenizer=tokenizer, vocab_size=VOCAB_SIZE)
+    grammar = backend.compile_grammar(StructuredOutputOptions.REGEX, "ab")
+    tokens = tokenizer.encode("ab", add_special_tokens=False) + [0]
+    assert grammar.accept_tokens("r", tokens) and grammar.is_terminated()
+    grammar.reset()
+    assert not grammar.is_terminated() and grammar.accept_tokens("r", tokens) and grammar.is_terminated()

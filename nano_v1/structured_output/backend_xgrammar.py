@@ -131,6 +131,7 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def reset(self) -> None:
         self.num_processed_tokens = 0
+        self._is_terminated = False  # v0.11.0 forgets this one: a reset grammar would accept nothing
         self.matcher.reset()
 
 
