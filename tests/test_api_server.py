@@ -3,13 +3,17 @@
 One server (`BackgroundServer`: the engine core in its own process, the HTTP server in
 a thread of the test process) serves the whole module; the last test
 starts a second one and kills its engine core. Every call has a client-side timeout, so
-a hang fails the test instead of stalling the suite.
+a hang fails the test instead of stalling the suite. The structured-output tests (chapter
+15) check what the server returns with `jsonschema` and `re.fullmatch`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,8 +26,11 @@ import pytest
 # The server, its engine-core process and the official client; the GPU image has none of them.
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
 
 from helpers.servers import TIMEOUT_S, ServerThread, stream_completion, wait_until_healthy, wait_until_idle
+
+from nano_v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
 
@@ -174,6 +181,129 @@ def test_bad_chat_request(server):
         f"{server.base_url}/v1/chat/completions", json={"messages": "hi"}, timeout=TIMEOUT_S
     )
     assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ structured outputs (chapter 15)
+# Every field required and every string, array and number bounded, so that a sampled (not
+# greedy) output ends within max_tokens with finish_reason "stop".
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
+    },
+    "required": ["name", "age", "tags", "home"],
+}
+PERSON_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+}
+CHAT_BODY = {"messages": [{"role": "user", "content": "a person as JSON"}]}
+# The demo model, a code model, pads free JSON whitespace ("{\n\n\n   ...") until max_tokens: the
+# requests take xgrammar's fixed layout instead, an option `structured_outputs` adds to `response_format`.
+NO_WHITESPACE = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+@pytest.mark.ch15
+@pytest.mark.parametrize(
+    "request_class, body", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, CHAT_BODY)]
+)
+def test_response_format_and_structured_outputs_become_sampling_params(request_class, body):
+    def constraint(**fields):
+        return request_class(**body, **fields).to_sampling_params(None).structured_outputs
+
+    assert constraint(response_format=PERSON_FORMAT).json == PERSON_SCHEMA
+    assert constraint(response_format={"type": "json_object"}).json_object is True
+    assert constraint(response_format={"type": "text"}) is None and constraint() is None
+    given = {"regex": "[a-z]+", "whitespace_pattern": " ?"}
+    params = constraint(structured_outputs=given, response_format={"type": "text"})
+    assert (params.regex, params.whitespace_pattern, params.json) == ("[a-z]+", " ?", None)
+    params = constraint(response_format=PERSON_FORMAT, **NO_WHITESPACE)
+    assert (params.json, params.disable_any_whitespace) == (PERSON_SCHEMA, True)
+
+
+@pytest.mark.ch15
+def test_json_schema_response_format_streamed_and_not(client):
+    """The output is JSON that the schema accepts, on both endpoints, whole and streamed (the four
+    requests at once: one batch in the engine)."""
+    sampling = {"max_tokens": 256, "temperature": 0.8}
+    chat_kwargs = {"model": "demo", "response_format": PERSON_FORMAT, "extra_body": NO_WHITESPACE}
+    chat_kwargs.update(CHAT_BODY)
+    completion_body = {**NO_WHITESPACE, "response_format": PERSON_FORMAT}
+    completion_kwargs = {"prompt": "person = ", "extra_body": completion_body}
+
+    def chat() -> tuple[str, str]:
+        choice = client.chat.completions.create(**chat_kwargs, **sampling).choices[0]
+        return choice.message.content, choice.finish_reason
+
+    def chat_streamed() -> tuple[str, str]:
+        chunks = list(client.chat.completions.create(stream=True, **chat_kwargs, **sampling))
+        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+    def completion() -> tuple[str, str]:
+        choice = client.completions.create(model="demo", **completion_kwargs, **sampling).choices[0]
+        return choice.text, choice.finish_reason
+
+    def completion_streamed() -> tuple[str, str]:
+        texts, reasons = stream_completion(client, **completion_kwargs, **sampling)
+        return texts[0], reasons[0]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(f) for f in (chat, chat_streamed, completion, completion_streamed)]
+        outputs = [future.result() for future in futures]
+    for text, finish_reason in outputs:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+
+
+@pytest.mark.ch15
+def test_choice_and_regex_on_completions(client):
+    sampling = {"model": "demo", "prompt": PROMPT, "max_tokens": 20, "temperature": 0.8, "n": 4}
+    choices = ["yes", "no", "maybe later"]
+    out = client.completions.create(extra_body={"structured_outputs": {"choice": choices}}, **sampling)
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    regex = r"[a-z]{2,6}_[0-9]{1,3}\((x|y)\)"
+    out = client.completions.create(extra_body={"structured_outputs": {"regex": regex}}, **sampling)
+    assert all(re.fullmatch(regex, c.text) and c.finish_reason == "stop" for c in out.choices)
+
+
+def _json_schema(schema: object) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+JSON_OBJECT = {"response_format": {"type": "json_object"}}
+
+
+@pytest.mark.ch15
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        (_json_schema({"type": "nonsense"}), None, "nonsense"),
+        (_json_schema([1]), "response_format.json_schema.schema", "dictionary"),
+        ({"structured_outputs": {"regex": "("}}, None, "regex"),
+        ({"structured_outputs": {"choice": ["a"]}, **JSON_OBJECT}, "structured_outputs", "not both"),
+        ({"structured_outputs": {"json": {}}, **_json_schema({})}, "structured_outputs", "not both"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ],
+)
+def test_bad_constraint_gets_400_and_server_keeps_serving(server, client, fields, param, message):
+    for path, body in [("completions", {"prompt": "x"}), ("chat/completions", CHAT_BODY)]:
+        response = httpx.post(
+            f"{server.base_url}/v1/{path}", json={"model": "demo", **body, **fields}, timeout=TIMEOUT_S
+        )
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("BadRequestError", 400, param)
+        assert message in error["message"], error["message"]
+    assert client.completions.create(model="demo", prompt="x", max_tokens=2).choices[0].text is not None
+    wait_until_idle(server, within_s=5)
 
 
 def test_an_internal_error_is_undone_and_keeps_the_connection(server, monkeypatch):

@@ -646,10 +646,10 @@ BAD_REQUESTS = {
         400,
         "surrogate",
     ),
-    "response-format": (
+    "response-format-structural-tag": (
         "POST",
         "/v1/chat/completions",
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "structural_tag"}),
         400,
         "response_format",
     ),

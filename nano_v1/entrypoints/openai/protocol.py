@@ -18,11 +18,22 @@ difference and named a few at a time (`OpenAIRequestModel`), every list stops at
 first bad item (`fail_fast`), and a request has at most `MAX_STOP` stop strings,
 `MAX_N` completions over all its prompts, and `MAX_CHAT_ITEMS` messages (and parts per message).
 
+A request may constrain its output (chapter 15) in OpenAI's way, `response_format`
+(`json_object`, or `json_schema` with a schema), or in vLLM's, `structured_outputs` (a JSON
+schema, a regex, a choice or a grammar, as `StructuredOutputsParams`); not both, though
+`structured_outputs` may add its options (`disable_any_whitespace`, ...) to a
+`response_format`, as in vLLM. Here only their shape is checked; whether a schema, regex or
+grammar compiles is checked by `Processor`, which the request reaches next, and is a 400 too.
+
 What differs from v0.11.0: v0.11.0 ignores unknown fields (with a warning) and has no
 bound on stop strings, prompts or messages per request; its token ids accept what pydantic
 coerces to int (`"1"`, `true`), ours only JSON integers; it clamps a `logit_bias` value to
 [-100, 100] where ours is a 400 outside it (OpenAI's range), and bounds neither
-`bad_words` nor `logit_bias` in size.
+`bad_words` nor `logit_bias` in size. v0.11.0's completions read only `response_format`'s
+`json_object`, and only with `structured_outputs` also given; here both endpoints read every
+`response_format`. v0.11.0 lets `response_format` overwrite a constraint `structured_outputs`
+gives (or adds a second one); here that is a 400. v0.11.0's `structural_tag` format and
+deprecated `guided_*` fields are not served.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from pydantic import (
 )
 
 from nano_v1.logprobs import PromptLogprobs
-from nano_v1.sampling_params import RequestOutputKind, SamplingParams
+from nano_v1.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # The most completions one request may ask for: OpenAI's limit for chat completions. Each is a
 # request of its own in the engine core. A batch of prompts shares the bound: prompts * n <= MAX_N.
@@ -63,6 +74,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_VLLM_XARGS = 64
 # How many unknown fields an error names; it counts the rest.
 MAX_NAMED_FIELDS = 3
+# The fields of `StructuredOutputsParams` that choose the constraint; its others are options.
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 # Token ids: JSON integers only (not "1" or true), and a list stops at its first bad item.
 TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
@@ -74,7 +87,8 @@ class OpenAIBaseModel(BaseModel):
 
 
 class OpenAIRequestModel(OpenAIBaseModel):
-    """A request body: an unknown field is an error (a 400 naming it), not silently ignored."""
+    """A request body, or an object in one that constrains the output (`response_format`): an
+    unknown field is an error (a 400 naming it), not silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -82,8 +96,10 @@ class OpenAIRequestModel(OpenAIBaseModel):
     @classmethod
     def _reject_unknown_fields(cls, data: Any) -> Any:
         """One error for all unknown fields, naming a few: pydantic's own would be one per field."""
-        if isinstance(data, dict) and (num_unknown := len(data.keys() - cls.model_fields.keys())):
-            named = list(itertools.islice((k for k in data if k not in cls.model_fields), MAX_NAMED_FIELDS))
+        # The names a client sends: a field's alias where it has one ("schema" for `json_schema`).
+        known = {field.alias or name for name, field in cls.model_fields.items()}
+        if isinstance(data, dict) and (num_unknown := len(data.keys() - known)):
+            named = list(itertools.islice((k for k in data if k not in known), MAX_NAMED_FIELDS))
             more = f" and {num_unknown - len(named)} more" if num_unknown > len(named) else ""
             raise ValueError(
                 f"unknown fields, or ones nano_v1 does not support: {', '.join(map(repr, named))}{more}"
@@ -123,6 +139,39 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class JsonSchemaResponseFormat(OpenAIRequestModel):
+    """OpenAI's `response_format.json_schema`: the output is JSON that `schema` accepts."""
+
+    name: str
+    description: str | None = None
+    # "schema" in the API, which would shadow `BaseModel.schema`: the field takes it as alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    # OpenAI's opt-in to strict adherence; xgrammar reads every schema strictly anyway.
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequestModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object), or
+    "json_schema" (JSON that `json_schema.schema` accepts)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it.')
+        return self
+
+    def _constraint(self) -> dict[str, Any]:
+        """The `StructuredOutputsParams` field this format sets: none for "text"."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.json_schema}
+        return {}
 
 
 def _reject_unless(no_op_values: tuple[Any, ...]):
@@ -173,6 +222,11 @@ class SamplingRequest(OpenAIRequestModel):
     # vLLM's: the prompt's own logprobs and the top `prompt_logprobs` per prompt token, in the
     # response's `prompt_logprobs` (a whole response's only: not with stream, as vLLM).
     prompt_logprobs: StrictInt | None = None
+    # A constraint on the output (chapter 15), in OpenAI's spelling or vLLM's (validated by
+    # `StructuredOutputsParams` itself). Once validated, `structured_outputs` is the request's
+    # whole constraint: its own, or `response_format`'s with its options.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = Field(None, validate_default=True)
 
     @field_validator("logit_bias")
     @classmethod
@@ -191,6 +245,26 @@ class SamplingRequest(OpenAIRequestModel):
         if self.stream and self.prompt_logprobs is not None and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return self
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _add_response_format(cls, value: Any, info: ValidationInfo) -> Any:
+        """`structured_outputs` with `response_format`'s constraint added (validated before it:
+        it is declared first); `structured_outputs` may then give only options."""
+        response_format = info.data.get("response_format")
+        constraint = {} if response_format is None else response_format._constraint()
+        if not constraint:
+            return value
+        if value is None:
+            return constraint
+        if not isinstance(value, dict):
+            return value  # not an object: pydantic's error names its type
+        if given := [kind for kind in STRUCTURED_OUTPUTS_KINDS if value.get(kind) is not None]:
+            raise ValueError(
+                f"give response_format or structured_outputs' {given[0]}, not both: each constrains "
+                "the output."
+            )
+        return {**value, **constraint}
 
     def num_logprobs(self) -> int | None:
         """Top logprobs per token (0: the sampled token's only), or None for no logprobs."""
@@ -225,6 +299,7 @@ class SamplingRequest(OpenAIRequestModel):
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs,
         )
 
 
