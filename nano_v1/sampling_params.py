@@ -32,6 +32,10 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The constraints a StructuredOutputsParams may carry, exactly one at a time.
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on what a request may generate (chapter 15): exactly one of `json` (a JSON
@@ -57,11 +61,7 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        kinds = [
-            name
-            for name in ("json", "regex", "choice", "grammar", "json_object")
-            if getattr(self, name) is not None
-        ]
+        kinds = [name for name in STRUCTURED_OUTPUTS_KINDS if getattr(self, name) is not None]
         if len(kinds) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, regex, choice, grammar or json_object, "

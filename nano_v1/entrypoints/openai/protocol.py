@@ -56,7 +56,12 @@ from pydantic import (
 )
 
 from nano_v1.logprobs import PromptLogprobs
-from nano_v1.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from nano_v1.sampling_params import (
+    STRUCTURED_OUTPUTS_KINDS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # The most completions one request may ask for: OpenAI's limit for chat completions. Each is a
 # request of its own in the engine core. A batch of prompts shares the bound: prompts * n <= MAX_N.
@@ -74,8 +79,6 @@ MAX_LOGIT_BIAS = 1024
 MAX_VLLM_XARGS = 64
 # How many unknown fields an error names; it counts the rest.
 MAX_NAMED_FIELDS = 3
-# The fields of `StructuredOutputsParams` that choose the constraint; its others are options.
-STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 # Token ids: JSON integers only (not "1" or true), and a list stops at its first bad item.
 TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
