@@ -7,6 +7,7 @@ and every token the engine emits; brute-force bit unpacking for `apply_grammar_b
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -16,8 +17,8 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from helpers.scheduler import make_scheduler
+
 from nano_v1 import LLM, SamplingParams
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.arg_utils import EngineArgs
@@ -27,7 +28,8 @@ from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.sampling_params import StructuredOutputsParams
 from nano_v1.structured_output import StructuredOutputManager
-from nano_v1.structured_output.utils import apply_grammar_bitmask
+from nano_v1.structured_output.backend_types import StructuredOutputOptions
+from nano_v1.structured_output.utils import apply_grammar_bitmask, choice_as_grammar
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -247,10 +249,10 @@ def add(scheduler, req_id: str, prompt: list[int], params: SamplingParams) -> Re
     return request
 
 
-def unpack(bitmask: np.ndarray) -> np.ndarray:
-    """[rows, words] int32 -> [rows, VOCAB_SIZE] bool, bit t of word t // 32 (brute force)."""
+def unpack(bitmask: np.ndarray, vocab_size: int = VOCAB_SIZE) -> np.ndarray:
+    """[rows, words] int32 -> [rows, vocab_size] bool, bit t of word t // 32 (brute force)."""
     bits = (bitmask.astype(np.int64)[:, :, None] >> np.arange(32)) & 1
-    return bits.reshape(len(bitmask), -1)[:, :VOCAB_SIZE].astype(bool)
+    return bits.reshape(len(bitmask), -1)[:, :vocab_size].astype(bool)
 
 
 def oracle_row(matcher) -> np.ndarray:
@@ -266,10 +268,12 @@ def wait_for_grammar(request: Request) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.ch15_t1
 def test_bitmask_rows_equal_xgrammars_matcher_token_by_token(tokenizer, compiler):
-    """Rule: each step has one bitmask row per scheduled structured request and per draft of it,
-    equal to xgrammar's own matcher's after the tokens before that row; drafts the grammar forbids
-    are cut on arrival; the matcher advances by the tokens kept."""
+    """Rule: each step has «a row per draft» of each scheduled structured request and «one for the
+    bonus token», equal to xgrammar's own matcher's after the tokens before that row; the matcher is
+    «rolled back» after the drafts (drafts the grammar forbids are cut on arrival), and advances by
+    the tokens kept."""
     scheduler = structured_scheduler(tokenizer, num_spec_tokens=2)
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["id", "ok"]}
     target = tokenizer.encode('{"id": 42, "ok": true}', add_special_tokens=False) + [0]
@@ -283,14 +287,18 @@ def test_bitmask_rows_equal_xgrammars_matcher_token_by_token(tokenizer, compiler
     step = 0
     while not request.is_finished():
         output = scheduler.schedule()
-        assert set(output.structured_output_request_ids) == {"so"}
+        assert set(output.structured_output_request_ids) == {"so"}, output.structured_output_request_ids
         drafts = output.scheduled_spec_decode_tokens.get("so", [])
         rows = unpack(output.grammar_bitmask)
-        assert len(rows) == 1 + len(drafts)
+        assert len(rows) == 1 + len(drafts), f"step {step}: {len(rows)} rows for {len(drafts)} drafts, want 1 + drafts"
         for i, row in enumerate(rows):
-            np.testing.assert_array_equal(row, oracle_row(oracle), err_msg=f"step {step}, row {i}")
+            want = oracle_row(oracle)
+            assert np.array_equal(row, want), (
+                f"step {step}, row {i} of {len(rows)}: not xgrammar's mask after the tokens before it "
+                f"({int((row != want).sum())} of {VOCAB_SIZE} tokens differ)"
+            )
             if i < len(drafts):
-                assert oracle.accept_token(drafts[i])
+                assert oracle.accept_token(drafts[i]), f"step {step}: draft {i} was validated, the oracle refuses it"
         if drafts:
             oracle.rollback(len(drafts))
         # The "model" samples the target: drafts are right up to where they leave it.
@@ -305,7 +313,7 @@ def test_bitmask_rows_equal_xgrammars_matcher_token_by_token(tokenizer, compiler
             ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[9] if r == "plain" else sampled for r in ids]),
         )
         for token in sampled:
-            assert oracle.accept_token(token)
+            assert oracle.accept_token(token), f"step {step}: the oracle refuses a token of the target"
         emitted += sampled
         if not request.is_finished():
             # Drafts: two right ones, or a right one then one the grammar forbids.
@@ -320,10 +328,73 @@ def test_bitmask_rows_equal_xgrammars_matcher_token_by_token(tokenizer, compiler
                 kept.append(token)
             if kept:
                 oracle.rollback(len(kept))
-            assert request.spec_token_ids == kept
+            assert request.spec_token_ids == kept, (
+                f"step {step}: drafts {drafts} kept as {request.spec_token_ids}, want {kept}: the grammar's "
+                "matcher must stand after the emitted tokens (rolled back after the step's drafts)"
+            )
         step += 1
-    assert emitted == target and oracle.is_terminated()
-    assert request.get_finished_reason() == "stop" and not plain.is_finished()
+    assert emitted == target and oracle.is_terminated(), f"emitted {emitted}, want {target}"
+    assert request.get_finished_reason() == "stop" and not plain.is_finished(), request.get_finished_reason()
+
+
+@pytest.mark.ch15_t1
+def test_grammar_bitmask_packs_rows_in_scheduler_order_and_leaves_matchers_where_they_were(tokenizer, compiler):
+    """Rule: rows come in the scheduler's order, «a row per draft» and «one for the bonus token» per
+    request, each equal to xgrammar's own matcher's after the tokens before it; a grammar that «is
+    terminated» (here by its EOS draft) allows every token; every matcher is «rolled back», so a
+    second call gives the same rows."""
+    scheduler = structured_scheduler(tokenizer, num_spec_tokens=3)
+    manager = scheduler.structured_output_manager
+    schema = json.dumps({"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]})
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    yes = encode("yes")
+    # request id: (kind, spec, tokens already accepted, this step's drafts)
+    cases = {
+        "json": (StructuredOutputOptions.JSON, schema, [], encode('{"id": 4')[:3]),
+        "regex": (StructuredOutputOptions.REGEX, REGEX, encode("ab"), []),
+        "choice": (StructuredOutputOptions.GRAMMAR, choice_as_grammar(["yes", "no"]), yes[:-1], yes[-1:] + [0]),
+        "done": (StructuredOutputOptions.GRAMMAR, choice_as_grammar(["yes", "no"]), yes + [0], []),
+    }
+    # The scheduler's list puts them in another order than the dict's, with unstructured requests between.
+    structured_output_request_ids = {"regex": 3, "json": 0, "done": 5, "choice": 1}
+    requests, oracles = {}, {}
+    for req_id, (kind, spec, accepted, _) in cases.items():
+        grammar = manager.backend.compile_grammar(kind, spec)
+        assert grammar.accept_tokens(req_id, accepted)
+        requests[req_id] = types.SimpleNamespace(structured_output_request=types.SimpleNamespace(grammar=grammar))
+        oracles[req_id] = xgr.GrammarMatcher(
+            compiler.compile_json_schema(spec) if kind == StructuredOutputOptions.JSON
+            else compiler.compile_regex(spec) if kind == StructuredOutputOptions.REGEX
+            else compiler.compile_grammar(spec)
+        )  # fmt: skip
+        assert all(oracles[req_id].accept_token(t) for t in accepted)
+    drafts = {req_id: case[3] for req_id, case in cases.items() if case[3]}
+
+    want: list[tuple[str, np.ndarray]] = []
+    for req_id in sorted(structured_output_request_ids, key=structured_output_request_ids.get):
+        oracle = oracles[req_id]
+        for token in [*drafts.get(req_id, ()), None]:
+            want.append((req_id, np.ones(VOCAB_SIZE, bool) if oracle.is_terminated() else oracle_row(oracle)))
+            if token is not None:
+                assert oracle.accept_token(token)
+        oracle.rollback(len(drafts.get(req_id, ())))
+    for call in ("first", "second"):
+        bitmask = manager.grammar_bitmask(requests, structured_output_request_ids, drafts)
+        assert bitmask is not None and len(bitmask) == len(want), (
+            f"{call} call: {None if bitmask is None else len(bitmask)} rows, want {len(want)} "
+            "(1 + drafts per structured request)"
+        )
+        rows = unpack(bitmask)
+        for i, (req_id, row) in enumerate(want):
+            assert np.array_equal(rows[i], row), (
+                f"{call} call: row {i} is not {req_id!r}'s mask for that position (xgrammar's matcher "
+                f"after the tokens before it); {int((rows[i] != row).sum())} of {VOCAB_SIZE} tokens differ"
+            )
+        for req_id, request in requests.items():
+            grammar = request.structured_output_request.grammar
+            assert grammar.num_processed_tokens == len(cases[req_id][2]), (
+                f"{call} call: {req_id!r}'s matcher was not rolled back to where it stood"
+            )
 
 
 def test_a_slow_grammar_never_holds_up_other_requests(tokenizer):
@@ -372,18 +443,13 @@ def test_a_grammar_that_fails_to_compile_aborts_its_request_only(tokenizer):
 
 
 # ---------------------------------------------------------------------------- the runner's part
-def test_apply_grammar_bitmask_masks_exactly_the_forbidden_tokens():
-    """Rule: each structured request's rows (its drafts' and its bonus token's) get -inf where the
-    bit is clear, found at «the batch's order» of logits rows; unconstrained rows stay untouched."""
-    rng = np.random.default_rng(0)
-    vocab = 100  # not a multiple of 32: the last word is partly padding
-    batch_order = ["a", "b", "c", "d"]  # the runner's rows; c and a are structured
-    spec = {"a": [1, 2], "b": [3], "c": [4]}  # a: rows 0-2, b: 3-4, c: 5-6, d: 7
-    scheduler_order = {"c": 0, "a": 1}  # the bitmask's: c's 2 rows, then a's 3
-    words = (vocab + 31) // 32
-    grammar_bitmask = rng.integers(-(2**31), 2**31, size=(5, words), dtype=np.int64).astype(np.int32)
-    logits = torch.randn(8, vocab, dtype=torch.float32)
-    original = logits.clone()
+def random_bitmask(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:
+    return rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+
+
+def mask_logits(logits, grammar_bitmask, scheduler_order, spec, batch_order) -> None:
+    """`apply_grammar_bitmask` on a stand-in step: the scheduler's order of the structured
+    requests, their drafts, and the persistent batch's order of every request."""
     apply_grammar_bitmask(
         types.SimpleNamespace(
             grammar_bitmask=grammar_bitmask,
@@ -394,18 +460,75 @@ def test_apply_grammar_bitmask_masks_exactly_the_forbidden_tokens():
         logits,
         torch.device("cpu"),
     )
-    bits = ((grammar_bitmask.astype(np.int64)[:, :, None] >> np.arange(32)) & 1).reshape(5, -1)[:, :vocab]
-    expected = original.clone()
+
+
+@pytest.mark.ch15_t2
+def test_apply_grammar_bitmask_masks_exactly_the_forbidden_tokens():
+    """Rule: each structured request's «1 + its drafts» rows get -inf where the bit is clear, taken
+    from the bitmask in «the scheduler's order» and put at the request's rows in «the batch's order»
+    of logits, where «every earlier request's drafts» shift it; «unconstrained requests stay untouched»."""
+    rng = np.random.default_rng(0)
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    batch_order = ["a", "b", "c", "d"]  # the runner's rows; c and a are structured
+    spec = {"a": [1, 2], "b": [3], "c": [4]}  # a: rows 0-2, b: 3-4, c: 5-6, d: 7
+    scheduler_order = {"c": 0, "a": 1}  # the bitmask's: c's 2 rows, then a's 3
+    words = (vocab + 31) // 32
+    grammar_bitmask = random_bitmask(rng, 5, words)
+    logits = torch.randn(8, vocab, dtype=torch.float32)
+    expected = logits.clone()
+    mask_logits(logits, grammar_bitmask, scheduler_order, spec, batch_order)
+    allowed = unpack(grammar_bitmask, vocab)
     for logits_row, mask_row in [(5, 0), (6, 1), (0, 2), (1, 3), (2, 4)]:
-        expected[logits_row][torch.from_numpy(bits[mask_row] == 0)] = float("-inf")
-    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        expected[logits_row][torch.from_numpy(~allowed[mask_row])] = float("-inf")
+    owners = ["a", "a", "a", "b", "b", "c", "c", "d"]
+    for row, owner in enumerate(owners):
+        assert torch.equal(logits[row], expected[row]), (
+            f"logits row {row} (request {owner}): "
+            f"{int((logits[row] != expected[row]).sum())} of {vocab} logits masked wrongly"
+        )
+
+
+@pytest.mark.ch15_t2
+def test_apply_grammar_bitmask_on_random_batches_matches_a_row_by_row_model():
+    """Rule: a logits row holds (request, k), the batch's requests in «the batch's order», each with
+    its drafts' rows then its bonus row; a bitmask row holds (request, k) for the structured ones in
+    «the scheduler's order», «1 + its drafts» each. Each logits row of a structured request is masked
+    by the bitmask row of the same (request, k) and «unconstrained requests stay untouched», with
+    «every earlier request's drafts» counted (random batches, all or some structured)."""
+    rng = np.random.default_rng(1)
+    vocab, words = 70, 3
+    for case in range(40):
+        num_reqs = int(rng.integers(1, 7))
+        batch_order = [f"r{i}" for i in rng.permutation(num_reqs)]
+        spec = {r: [1] * int(rng.integers(0, 4)) for r in batch_order}
+        spec = {r: d for r, d in spec.items() if d}
+        structured = [r for r in batch_order if case % 4 == 0 or rng.random() < 0.5] or batch_order[:1]
+        # The scheduler's list: its own order, unstructured requests interleaved.
+        scheduler_list = [batch_order[i] for i in rng.permutation(num_reqs)]
+        scheduler_order = {r: scheduler_list.index(r) for r in structured}
+        logits_rows = [(r, k) for r in batch_order for k in range(1 + len(spec.get(r, ())))]
+        bitmask_rows = [
+            (r, k) for r in sorted(structured, key=scheduler_order.get) for k in range(1 + len(spec.get(r, ())))
+        ]
+        grammar_bitmask = random_bitmask(rng, len(bitmask_rows), words)
+        logits = torch.randn(len(logits_rows), vocab, dtype=torch.float32)
+        expected = logits.clone()
+        mask_logits(logits, grammar_bitmask, scheduler_order, spec, batch_order)
+        allowed = unpack(grammar_bitmask, vocab)
+        for row, key in enumerate(logits_rows):
+            if key in bitmask_rows:
+                expected[row][torch.from_numpy(~allowed[bitmask_rows.index(key)])] = float("-inf")
+            assert torch.equal(logits[row], expected[row]), (
+                f"case {case}: logits row {row} (request {key[0]}, "
+                f"{'draft ' + str(key[1]) if key[1] < len(spec.get(key[0], ())) else 'bonus'} row, "
+                f"{'structured' if key[0] in scheduler_order else 'unconstrained'}) masked wrongly; batch "
+                f"{batch_order}, drafts {({r: len(d) for r, d in spec.items()})}, scheduler order {scheduler_order}"
+            )
 
 
 def test_choice_grammar_accepts_exactly_the_choices(tokenizer, compiler):
     """Rule: a choice becomes a grammar whose sentences are the choices, quotes, backslashes,
     newlines and non-ASCII included."""
-    from nano_v1.structured_output.utils import choice_as_grammar
-
     grammar = compiler.compile_grammar(choice_as_grammar(CHOICES))
     for text in CHOICES + ["ye", "yes!", 'say "no', "two lines"]:
         matcher = xgr.GrammarMatcher(grammar)

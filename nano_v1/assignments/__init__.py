@@ -1,6 +1,6 @@
 """Assignment mode: task regions in the reference code, student copies, and grading.
 
-Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-15); vLLM has no counterpart.
 
 Why it exists: the best way to learn an engine is to rebuild its key pieces and have the
 real test suite judge them. The reference code marks each piece a student writes with a

@@ -1,6 +1,6 @@
 """Command line of assignment mode: list tasks, make a student copy, grade it.
 
-Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-15); vLLM has no counterpart.
 
     python -m nano_v1.assignments list
     python -m nano_v1.assignments make ch04 [ch05_t1 ...] --out ../nano_v1-ch04

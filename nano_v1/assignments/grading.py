@@ -1,6 +1,6 @@
 """Grade a student copy: run each task's own tests, score each task, say briefly what is wrong.
 
-Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-15); vLLM has no counterpart.
 
 Why it exists: `pytest -m ch04` says which tests fail, not which task is done or what is
 wrong with it, and it prints pages of tracebacks. Grading runs in two passes, each a quiet

@@ -1,6 +1,6 @@
 """A pytest plugin that records each selected test's outcome and markers as JSON.
 
-Course machinery (the tasks of chapters 01-14); vLLM has no counterpart.
+Course machinery (the tasks of chapters 01-15); vLLM has no counterpart.
 
 Why it exists: `grade` scores tasks, and a task's score is the outcome of the tests that
 carry its marker. Loaded with `-p nano_v1.assignments.pytest_plugin --task-report FILE`,

@@ -71,9 +71,16 @@ class StructuredOutputManager:
         structured_output_request_ids: dict[str, int],
         scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> np.ndarray | None:
-        """The step's bitmask: for each structured request in scheduler order, a row for the
-        token after each of its drafts (the matcher advanced over the drafts so far, then
-        rolled back) and one for the token after them all. [rows, ceil(vocab / 32)] int32."""
+        """The step's bitmask, [rows, ceil(vocab / 32)] int32, 32 tokens per word (bit t set: token t allowed).
+
+        Rows are packed from row 0, the structured requests in scheduler order (by their index
+        in `structured_output_request_ids`). Each request gets «a row per draft» token (the mask
+        for that draft's position: the matcher advanced over the drafts before it) and «one for
+        the bonus token» after them all; every draft is accepted by its matcher as it goes (drafts
+        were validated on arrival), and the matcher is «rolled back» by as many before the next
+        request: it moves only when the step's tokens arrive (`update_from_output`). A row whose
+        grammar «is terminated» allows every token (all bits set, -1): the stop check ends the
+        request. Returns the filled rows as numpy."""
         if not structured_output_request_ids:
             return None
         if self._grammar_bitmask is None:
@@ -84,6 +91,7 @@ class StructuredOutputManager:
             self._grammar_bitmask = self.backend.allocate_token_bitmask(max_batch_size * (1 + max_num_spec_tokens))
         bitmask = self._grammar_bitmask
 
+        # BEGIN TASK ch15_t1: per request in scheduler order, a row per draft (matcher advanced over the drafts before it) and one for the bonus token; roll back; terminated -> all allowed
         cumulative_index = 0
         for req_id, _ in sorted(structured_output_request_ids.items(), key=lambda item: item[1]):
             grammar = requests[req_id].structured_output_request.grammar
@@ -102,6 +110,7 @@ class StructuredOutputManager:
         # numpy, not a tensor: it travels to the workers with the SchedulerOutput. A view of the
         # manager's array, as in v0.11.0: read before the next schedule() (the step is done by then).
         return bitmask[:cumulative_index].numpy()
+        # END TASK
 
     def should_advance(self, request: Request) -> bool:
         """Whether the request's matcher follows its tokens (always, without a reasoning parser)."""

@@ -27,16 +27,21 @@ def apply_grammar_bitmask(
     logits: torch.Tensor,
     device: torch.device,
 ) -> None:
-    """Mask `logits` ([num_reqs + num_drafts, vocab], the batch's rows in order, each request's
-    draft rows before its bonus row) in place with the step's grammar bitmask.
+    """Mask `logits` ([num_reqs + num_drafts, vocab]) in place with the step's grammar bitmask:
+    -inf wherever a row's bit is clear (`xgr.apply_token_bitmask_inplace`).
 
-    The bitmask's rows come in the scheduler's order (`structured_output_request_ids`:
-    request id -> its index in the scheduler's list), 1 + its drafts per request; the logits'
-    in the persistent batch's. Rows of unconstrained requests stay untouched.
+    The two arrays order their rows differently. The bitmask's come in «the scheduler's order»
+    (`structured_output_request_ids`: request id -> its index in the scheduler's list, not a
+    logits row), each structured request's «1 + its drafts» rows together. The logits' come in
+    «the batch's order» (`input_batch.req_ids`, a request's first row at `req_id_to_index`), each
+    request with its draft rows before its bonus row, so that «every earlier request's drafts»,
+    structured or not, shift a request's first logits row down. Rows of «unconstrained requests
+    stay untouched».
     """
     grammar_bitmask = scheduler_output.grammar_bitmask
     if grammar_bitmask is None:
         return
+    # BEGIN TASK ch15_t2: each structured request's first logits row in batch order (earlier requests' drafts shift it); its 1 + drafts bitmask rows (scheduler order) go there; mask those rows only
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
     # Each structured request's first logits row: drafts of the requests before it shift it down.
     struct_out_req_batch_indices: dict[str, int] = {}
@@ -69,6 +74,7 @@ def apply_grammar_bitmask(
         torch.from_numpy(sorted_bitmask).to(device, non_blocking=True),
         indices=out_indices if len(out_indices) != logits.shape[0] else None,
     )
+    # END TASK
 
 
 def choice_as_grammar(choice: list[str]) -> str:

@@ -1138,6 +1138,112 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="if self.scheduler.has_unfinished_requests():",
         ),
     ],
+    "ch15_t1": [
+        Mutant(
+            "forgets_the_rollback",
+            "advances each matcher over the step's drafts and leaves it there, as if they were all accepted",
+            old="            if num_advanced:\n                grammar.rollback(num_advanced)\n",
+            new="",
+        ),
+        Mutant(
+            "forgets_the_draft_rows",
+            "writes one row per request, none for its drafts, so the runner masks drafts with the wrong rows",
+            old="for token in [*scheduled_spec_decode_tokens.get(req_id, ()), None]:",
+            new="for token in [None]:",
+        ),
+        Mutant(
+            "one_row_index_per_request",
+            "off by one: moves to the next row once per request, so a request's draft rows overwrite each other",
+            old="                cumulative_index += 1\n            if num_advanced:",
+            new="            cumulative_index += 1\n            if num_advanced:",
+        ),
+        Mutant(
+            "fills_after_accepting_the_draft",
+            "accepts a draft before filling its row, so each row is the mask for the token after the draft",
+            old=(
+                "                    grammar.fill_bitmask(bitmask, cumulative_index)\n"
+                "                    if token is not None:\n"
+                "                        assert grammar.accept_tokens(req_id, [token])  # drafts were validated on arrival\n"
+                "                        num_advanced += 1\n"
+            ),
+            new=(
+                "                    if token is not None:\n"
+                "                        assert grammar.accept_tokens(req_id, [token])  # drafts were validated on arrival\n"
+                "                        num_advanced += 1\n"
+                "                    grammar.fill_bitmask(bitmask, cumulative_index)\n"
+            ),
+        ),
+        Mutant(
+            "rolls_back_one_token",
+            "rolls the matcher back by one token whatever the number of drafts it accepted",
+            old="grammar.rollback(num_advanced)",
+            new="grammar.rollback(1)",
+        ),
+        Mutant(
+            "terminated_row_masks_everything",
+            "fills a terminated grammar's row with zeros, forbidding every token instead of allowing every one",
+            old="bitmask[cumulative_index].fill_(-1)",
+            new="bitmask[cumulative_index].fill_(0)",
+        ),
+        Mutant(
+            "dict_order",
+            "takes the requests in the dict's order instead of the scheduler's (their index in its list)",
+            old="sorted(structured_output_request_ids.items(), key=lambda item: item[1])",
+            new="structured_output_request_ids.items()",
+        ),
+    ],
+    "ch15_t2": [
+        Mutant(
+            "scheduler_index_as_logits_row",
+            "puts a request's rows at its index in the scheduler's list instead of its row in the batch",
+            old="logit_index = struct_out_req_batch_indices[req_id]",
+            new="logit_index = scheduler_output.structured_output_request_ids[req_id]",
+        ),
+        Mutant(
+            "drafts_do_not_shift",
+            "forgets that earlier requests' drafts add logits rows, so later requests' rows are too high",
+            old="        cumulative_offset += len(spec_tokens.get(req_id, ()))\n",
+            new="",
+        ),
+        Mutant(
+            "own_drafts_shift_its_rows",
+            "off by one: counts a request's own drafts before placing it, so its rows start too late",
+            old=(
+                "        logit_index = input_batch.req_id_to_index[req_id] + cumulative_offset\n"
+                "        cumulative_offset += len(spec_tokens.get(req_id, ()))\n"
+            ),
+            new=(
+                "        cumulative_offset += len(spec_tokens.get(req_id, ()))\n"
+                "        logit_index = input_batch.req_id_to_index[req_id] + cumulative_offset\n"
+            ),
+        ),
+        Mutant(
+            "only_structured_drafts_shift",
+            "counts the drafts of structured requests only, though an unconstrained request's drafts have rows too",
+            old=(
+                "        cumulative_offset += len(spec_tokens.get(req_id, ()))\n"
+                "        if req_id in scheduler_output.structured_output_request_ids:\n"
+                "            struct_out_req_batch_indices[req_id] = logit_index\n"
+            ),
+            new=(
+                "        if req_id in scheduler_output.structured_output_request_ids:\n"
+                "            cumulative_offset += len(spec_tokens.get(req_id, ()))\n"
+                "            struct_out_req_batch_indices[req_id] = logit_index\n"
+            ),
+        ),
+        Mutant(
+            "forgets_the_bonus_row",
+            "off by one: takes one bitmask row per draft and none for the bonus token",
+            old="num_rows = 1 + len(spec_tokens.get(req_id, ()))",
+            new="num_rows = max(1, len(spec_tokens.get(req_id, ())))",
+        ),
+        Mutant(
+            "masks_the_bitmask_rows",
+            "applies the mask at the bitmask's row numbers, masking unconstrained requests' rows and missing others",
+            old="out_indices.extend(range(logit_index, logit_index + num_rows))",
+            new="out_indices.extend(range(cumulative_index, cumulative_index + num_rows))",
+        ),
+    ],
     "ch01_t3": [
         Mutant(
             "repetition_divides_every_logit",
