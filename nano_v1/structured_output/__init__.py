@@ -102,7 +102,8 @@ class StructuredOutputManager:
                 else:
                     grammar.fill_bitmask(bitmask, cumulative_index)
                     if token is not None:
-                        assert grammar.accept_tokens(req_id, [token])  # drafts were validated on arrival
+                        accepted = grammar.accept_tokens(req_id, [token])  # not inside the assert: python -O drops those
+                        assert accepted, "drafts were validated on arrival"
                         num_advanced += 1
                 cumulative_index += 1
             if num_advanced:

@@ -1163,12 +1163,14 @@ MUTANTS: dict[str, list[Mutant]] = {
             old=(
                 "                    grammar.fill_bitmask(bitmask, cumulative_index)\n"
                 "                    if token is not None:\n"
-                "                        assert grammar.accept_tokens(req_id, [token])  # drafts were validated on arrival\n"
+                "                        accepted = grammar.accept_tokens(req_id, [token])  # not inside the assert: python -O drops those\n"
+                "                        assert accepted, \"drafts were validated on arrival\"\n"
                 "                        num_advanced += 1\n"
             ),
             new=(
                 "                    if token is not None:\n"
-                "                        assert grammar.accept_tokens(req_id, [token])  # drafts were validated on arrival\n"
+                "                        accepted = grammar.accept_tokens(req_id, [token])  # not inside the assert: python -O drops those\n"
+                "                        assert accepted, \"drafts were validated on arrival\"\n"
                 "                        num_advanced += 1\n"
                 "                    grammar.fill_bitmask(bitmask, cumulative_index)\n"
             ),
