@@ -3,7 +3,8 @@
 Mirrors two vLLM files (chapters 01 and 04):
 - vllm/v1/outputs.py: `ModelRunnerOutput`, what the model runner hands back to the
   scheduler after one step, `AsyncModelRunnerOutput`, the same output still on its
-  way from the device (async scheduling, chapter 14), and `LogprobsTensors`, the logprobs in it;
+  way from the device (async scheduling, chapter 14), `LogprobsTensors`, the logprobs in
+  it, and `KVConnectorOutput`, the KV transfers it finished (chapter 16);
 - vllm/outputs.py: `RequestOutput` / `CompletionOutput`, what `LLM.generate` returns.
 
 What differs from v0.11.0: `LogprobsTensors` is a dataclass (msgspec sends it to the
@@ -53,6 +54,16 @@ class LogprobsTensors:
 
 
 @dataclass(slots=True)
+class KVConnectorOutput:
+    """Asynchronous KV transfers the workers' connectors finished since the last step (chapter 16)."""
+
+    # Requests whose KV was saved or sent: the scheduler may free their blocks now.
+    finished_sending: set[str] | None = None
+    # Requests whose KV was loaded: the scheduler may schedule them now.
+    finished_recving: set[str] | None = None
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """One step's results, indexed like the persistent batch.
 
@@ -71,6 +82,8 @@ class ModelRunnerOutput:
     # Request id -> its whole prompt's logprobs, for each request asking for them whose
     # prefill completed this step (position i predicts prompt token i + 1).
     prompt_logprobs_dict: dict[str, LogprobsTensors | None] = field(default_factory=dict)
+    # What the KV connector finished (chapter 16); None without a connector.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class AsyncModelRunnerOutput(ABC):

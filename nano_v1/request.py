@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nano_v1.sampling_params import SamplingParams
 from nano_v1.structured_output.request import StructuredOutputRequest
@@ -32,6 +32,7 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling (chapter 15)
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # a KV connector is loading its KV into its blocks (chapter 16)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
@@ -81,6 +82,12 @@ class Request:
             self.status = RequestStatus.WAITING_FOR_FSM
             self.structured_output_request = StructuredOutputRequest(sampling_params)
         self.stop_reason: int | str | None = None
+        # Disaggregated prefill (chapter 16): what the KV connector needs to find this request's
+        # KV elsewhere, or to let another engine fetch it (`SamplingParams.extra_args`); the
+        # connector reads and writes it.
+        self.kv_transfer_params: dict[str, Any] | None = None
+        if sampling_params.extra_args is not None:
+            self.kv_transfer_params = sampling_params.extra_args.get("kv_transfer_params")
         self.max_tokens = sampling_params.max_tokens
 
         self.prompt_token_ids = prompt_token_ids

@@ -298,6 +298,10 @@ OWN_NAMES: dict[str, dict[str, str]] = {
     },
     "nano_v1/config/utils.py": {
         "check_positive_int": "field checks that vLLM leaves to pydantic",
+        "config_from_dict": (
+            "a whole config given as a dict or JSON (speculative_config, kv_transfer_config); vLLM parses "
+            "them with pydantic in EngineArgs"
+        ),
     },
     "nano_v1/core/kv_cache_coordinator.py": {
         "UnitaryKVCacheCoordinator.get_num_blocks_to_allocate": (

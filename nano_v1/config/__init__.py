@@ -2,7 +2,8 @@
 
 Mirrors vllm/config/ (chapter 01): `ModelConfig` (model.py), `CacheConfig` (cache.py),
 `SchedulerConfig` (scheduler.py), `DeviceConfig` (device.py), `ParallelConfig`
-(parallel.py), `CompilationConfig` (compilation.py), `SpeculativeConfig` (speculative.py).
+(parallel.py), `CompilationConfig` (compilation.py), `SpeculativeConfig` (speculative.py),
+`KVTransferConfig` (kv_transfer.py, chapter 16).
 
 Why a class per part: each part of the engine reads only its own slice (the scheduler its
 budget, the worker its cache size), and each slice checks its own fields when built. What
@@ -31,6 +32,7 @@ from nano_v1.config.compilation import (
     CUDAGraphMode,
 )
 from nano_v1.config.device import DeviceConfig
+from nano_v1.config.kv_transfer import KVTransferConfig
 from nano_v1.config.model import ATTENTION_BACKENDS, ModelConfig
 from nano_v1.config.parallel import ParallelConfig
 from nano_v1.config.scheduler import SchedulerConfig
@@ -47,6 +49,7 @@ __all__ = [
     "CompilationLevel",
     "CUDAGraphMode",
     "DeviceConfig",
+    "KVTransferConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
@@ -68,6 +71,8 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     speculative_config: SpeculativeConfig | None = None
+    # A KV connector (chapter 16): disaggregated prefill, KV offloading; None: no KV transfer.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         """Settle what depends on several slices (vLLM: VllmConfig.__post_init__)."""

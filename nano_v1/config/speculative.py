@@ -5,10 +5,10 @@ Mirrors vllm/config/speculative.py (`SpeculativeConfig`) (chapter 10).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from nano_v1.config.utils import config_from_dict
 
 
 @dataclass
@@ -49,15 +49,4 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any] | str) -> "SpeculativeConfig":
         """From `LLM(speculative_config={...})` or the CLI's JSON string."""
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict, got {config!r}.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config key(s) {unknown}; nano_v1 accepts {sorted(known)}.")
-        return cls(**config)
+        return config_from_dict(cls, "speculative_config", config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import textwrap
 from dataclasses import MISSING, Field, field
 from typing import Any
@@ -67,3 +68,20 @@ def check_positive_int(name: str, value: Any) -> None:
     """Raise a ValueError naming `name` unless `value` is a positive int (not a bool)."""
     if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def config_from_dict(cls: type, name: str, config: dict[str, Any] | str) -> Any:
+    """`cls(**config)` from `LLM(name={...})` or the CLI's JSON string, with a ValueError naming
+    `name` for bad JSON, a non-dict or an unknown key."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{name} must be a dict, got {config!r}.")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} key(s) {unknown}; nano_v1 accepts {sorted(known)}.")
+    return cls(**config)

@@ -30,6 +30,10 @@ class KVCacheBlocks:
 
     blocks: tuple[list[KVCacheBlock], ...]
 
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """Both lists of blocks, group by group (a request's hits, then its new blocks)."""
+        return KVCacheBlocks(tuple(mine + theirs for mine, theirs in zip(self.blocks, other.blocks)))
+
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """Block ids per group; with `allow_none`, None when every group's list is empty (the
         common decode step: nothing new to send the runner)."""
@@ -115,6 +119,7 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for the request's next `num_new_tokens` tokens in every group; all or nothing.
 
@@ -151,6 +156,10 @@ class KVCacheManager:
         sequence, not just this chunk; it still allocates only this chunk's blocks. The
         check counts every block of the sequence in every group, as if no window dropped
         any: an upper bound for sliding-window groups.
+
+        With `delay_cache_blocks` (a KV connector loading the tokens asynchronously, chapter
+        16) nothing is committed to the cache: the blocks hold no KV until the load ends, and
+        a hit on them would read garbage. The scheduler commits them then (`cache_blocks`).
 
         Otherwise returns only the freshly allocated blocks per group (maybe none). What
         the scheduler sends the runner:
@@ -208,7 +217,7 @@ class KVCacheManager:
         coordinator.save_new_computed_blocks(request_id, new_computed_block_list)
         # Most decode steps fit in the last block: 15 of 16 with block_size 16.
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Register blocks that this step's tokens fill. Only final tokens count:
             # lookahead slots and scheduled drafts hold tokens that may still be rejected.
             num_final_tokens = num_computed_tokens + num_new_tokens

@@ -52,6 +52,9 @@ class EngineCoreOutput:
     # The whole prompt's logprobs, in the output of the step that completed its prefill
     # (only for requests with `prompt_logprobs`); tensors travel as raw bytes (serial_utils).
     new_prompt_logprobs_tensors: LogprobsTensors | None = None
+    # In a finished request's last output: what the KV connector says another engine needs
+    # to fetch its KV (chapter 16).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

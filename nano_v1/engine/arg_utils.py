@@ -28,13 +28,14 @@ from nano_v1.config import (
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
-from nano_v1.config.utils import CONFIG, CONFIG_FIELD, get_attr_docs, get_field
+from nano_v1.config.utils import CONFIG, CONFIG_FIELD, config_from_dict, get_attr_docs, get_field
 from nano_v1.sample.logits_processor import LogitsProcessor
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,14 @@ class EngineArgs:
             CONFIG: SpeculativeConfig,
             "help": 'SpeculativeConfig as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
             "(chapter 10).",
+        },
+    )
+    kv_transfer_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            CONFIG: KVTransferConfig,
+            "help": 'KVTransferConfig as JSON: \'{"kv_connector": NAME, "kv_role": "kv_producer" | '
+            '"kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}\' (chapter 16).',
         },
     )
 
@@ -168,4 +177,7 @@ class EngineArgs:
             speculative_config=None
             if self.speculative_config is None
             else SpeculativeConfig.from_dict(self.speculative_config),
+            kv_transfer_config=None
+            if self.kv_transfer_config is None
+            else config_from_dict(KVTransferConfig, "kv_transfer_config", self.kv_transfer_config),
         )

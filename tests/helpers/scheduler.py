@@ -224,12 +224,12 @@ def make_requests(rng: random.Random, num: int, block_size: int, max_prompt: int
 def make_scheduler(
     num_blocks, block_size, budget, max_seqs, max_model_len, caching,
     chunked=True, policy="fcfs", num_spec_tokens=0, reserve_full_isl=False, kv_cache_config=None,
-    async_scheduling=False,
+    async_scheduling=False, kv_transfer_config=None,
 ) -> Scheduler:  # fmt: skip
     """A scheduler over `num_blocks` KV blocks (block 0 is the null block), with no checkpoint.
 
     One full-attention KV cache group unless the test brings its own `kv_cache_config` (chapter 12);
-    an `AsyncScheduler` with `async_scheduling` (chapter 14).
+    an `AsyncScheduler` with `async_scheduling` (chapter 14); a KV connector with `kv_transfer_config` (chapter 16).
     """
     config = VllmConfig.__new__(VllmConfig)
     config.cache_config = CacheConfig(
@@ -251,6 +251,7 @@ def make_scheduler(
         config.speculative_config = SpeculativeConfig(
             num_speculative_tokens=num_spec_tokens, prompt_lookup_min=1
         )
+    config.kv_transfer_config = kv_transfer_config
     scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
     return scheduler_cls(config, kv_cache_config or full_attention_kv_cache_config(num_blocks, block_size))
 

@@ -11,6 +11,8 @@ Tokens the runner sampled itself never travel back to it.
 Chapter 15 adds the grammar bitmask of the step's structured requests, built in the
 scheduler process; the runner only applies it.
 
+Chapter 16 adds the KV connector's metadata: what the workers load and save this step.
+
 Chapter 11 adds the encoder's part of the step: which images the runner encodes now
 (`scheduled_encoder_inputs`) and which cached encoder outputs it may drop
 (`free_encoder_mm_hashes`).
@@ -27,6 +29,7 @@ from nano_v1.multimodal.inputs import MultiModalFeatureSpec
 from nano_v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nano_v1.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from nano_v1.request import Request
 
 
@@ -98,3 +101,5 @@ class SchedulerOutput:
     # ... and their packed bitmask, [rows, ceil(vocab / 32)] int32, a row per token to sample
     # (1 + drafts per request, in that index order); None when no request is structured.
     grammar_bitmask: np.ndarray | None = None
+    # What the workers' KV connectors load and save this step (chapter 16); None without a connector.
+    kv_connector_metadata: KVConnectorMetadata | None = None

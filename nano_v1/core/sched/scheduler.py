@@ -31,15 +31,31 @@ go on), and each step's output carries the grammar bitmask of its structured req
 (`get_grammar_bitmask`); `update_from_output` advances their matchers by the tokens
 kept, and `update_draft_token_ids` cuts drafts at the first token the grammar forbids.
 
+KV connectors (chapter 16) let a prompt's KV come from outside this engine's cache (a
+prefill engine, a CPU or disk store) and keep a finished request's blocks while its KV is
+sent or saved. At admission the connector says how many tokens past the local prefix-cache
+hit it can load: they count as computed, like hits, and only the rest is scheduled. If it
+loads them asynchronously, the request gets its blocks (not committed to the prefix cache:
+they hold no KV yet) and waits in `WAITING_FOR_REMOTE_KVS` until the workers report the
+load finished (`KVConnectorOutput.finished_recving`); then it is admitted with those
+tokens computed. A finished request whose KV the connector is still sending keeps its
+blocks until `finished_sending` names it. Without a connector (`self.connector is None`)
+none of this runs.
+
 What differs from v0.11.0: the encoder budget and cache size come settled in the
 `SchedulerConfig` (`SchedulerConfig.resolve_encoder_budget`); v0.11.0's scheduler takes
-an `mm_registry` and computes them itself (`compute_encoder_budget`).
+an `mm_registry` and computes them itself (`compute_encoder_budget`). With a KV
+connector: a `finished_recving` for a request aborted while its KV loaded is dropped
+(v0.11.0 keeps its id in `finished_recving_kv_req_ids` for good), and a request whose KV
+arrived asynchronously is counted in the prefix-cache statistics once, when admitted, with
+no local hit (v0.11.0 counts each lookup); there are no KV cache events to collect.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -49,10 +65,12 @@ from nano_v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from nano_v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nano_v1.core.sched.request_queue import create_request_queue
 from nano_v1.core.sched.utils import check_stop
+from nano_v1.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from nano_v1.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from nano_v1.engine import EngineCoreOutput, EngineCoreOutputs
 from nano_v1.kv_cache_interface import KVCacheConfig
 from nano_v1.metrics.stats import SchedulerStats
-from nano_v1.outputs import DraftTokenIds, ModelRunnerOutput
+from nano_v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from nano_v1.request import Request, RequestStatus
 from nano_v1.spec_decode.metrics import SpecDecodingStats
 from nano_v1.structured_output import StructuredOutputManager
@@ -103,6 +121,16 @@ class Scheduler:
         # Grammars and their matchers (chapter 15); the engine core shares its manager.
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(vllm_config)
 
+        # The KV connector's scheduler half (chapter 16); each worker builds its own worker half.
+        self.connector: KVConnectorBase_V1 | None = None
+        if vllm_config.kv_transfer_config is not None:
+            if len(kv_cache_config.kv_cache_groups) != 1:
+                raise ValueError(
+                    f"KV connectors support one KV cache group; this model has "
+                    f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model, chapter 12)."
+                )
+            self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
+
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -110,6 +138,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Requests finished before they ran (their grammar failed to compile): reported next update.
         self.finished_before_running: list[EngineCoreOutput] = []
+        # Requests in WAITING_FOR_REMOTE_KVS whose KV the workers reported loaded (chapter 16).
+        self.finished_recving_kv_req_ids: set[str] = set()
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -138,11 +168,25 @@ class Scheduler:
         if waiting:
             self.waiting.remove_requests(waiting)
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Forget a finished request; return the KV transfer params for its last output.
+
+        Its blocks stay allocated, and the request known, while the KV connector sends or
+        saves its KV (chapter 16): `_update_from_kv_xfer_finished` frees them.
+        """
         assert request.is_finished()
-        self.kv_cache_manager.free(request)
+        delay_free_blocks, kv_xfer_params = False, None
+        if self.connector is not None:
+            delay_free_blocks, kv_xfer_params = self._connector_finished(request)
         self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        if not delay_free_blocks:
+            self._free_blocks(request)
+        return kv_xfer_params
+
+    def _free_blocks(self, request: Request) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
@@ -234,9 +278,17 @@ class Scheduler:
         # Pass 2: WAITING requests, in queue order, only if nobody was preempted this
         # step (memory is tight: admitting new work would just thrash).
         skipped_waiting_reqs = create_request_queue(self.policy)
+        connector = self.connector
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
+                # A request whose KV the connector is loading is passed over until the
+                # workers report it loaded (chapter 16).
+                if connector is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if not self._update_waiting_for_remote_kv(request):
+                        skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                        continue
+                    request.status = RequestStatus.WAITING
                 # A structured request whose grammar is still compiling is passed over (chapter 15).
                 if request.status == RequestStatus.WAITING_FOR_FSM:
                     structured_output_req = request.structured_output_request
@@ -248,31 +300,63 @@ class Scheduler:
                         continue
                     request.status = RequestStatus.WAITING
                 # A new request (or one preempted earlier, which restarts from zero) first
-                # looks for its prompt's leading full blocks in the prefix cache.
-                new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_new_tokens = self._get_num_new_tokens(request, num_computed_tokens)
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    # The whole prompt must fit into one step: it waits for a roomier one,
-                    # and the requests behind it that fit go first (vLLM v0.11.0).
-                    skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
-                    continue
-                num_new_tokens = min(num_new_tokens, token_budget)
-                encoder_inputs_to_schedule = []
-                if request.has_encoder_inputs:
-                    encoder_inputs_to_schedule, num_new_tokens, new_encoder_compute_budget = (
-                        self._try_schedule_encoder_inputs(
-                            request, num_computed_tokens, num_new_tokens, encoder_compute_budget
-                        )
+                # looks for its prompt's leading full blocks in the prefix cache; with a
+                # connector, the tokens it can load past them count as computed too.
+                num_external_computed_tokens = 0
+                load_kv_async = False
+                if connector is None:
+                    new_computed_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                        request
                     )
-                    if num_new_tokens == 0:
-                        break  # the head of the queue waits for the encoder (FCFS)
+                    num_computed_tokens = num_new_local_computed_tokens
+                elif request.num_computed_tokens == 0:
+                    new_computed_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                        request
+                    )
+                    num_external_computed_tokens, load_kv_async = connector.get_num_new_matched_tokens(
+                        request, num_new_local_computed_tokens
+                    )
+                    if num_external_computed_tokens is None:
+                        # The connector does not know yet: ask again next step.
+                        skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                        continue
+                    num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
+                else:
+                    # Its KV has arrived: it holds its blocks, committed to the cache.
+                    new_computed_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+                    num_new_local_computed_tokens = 0
+                    num_computed_tokens = request.num_computed_tokens
+
+                encoder_inputs_to_schedule = []
+                if load_kv_async:
+                    # Nothing to compute before its KV arrives: it only gets the blocks to load into.
+                    assert num_external_computed_tokens > 0
+                    num_new_tokens = 0
+                else:
+                    num_new_tokens = self._get_num_new_tokens(request, num_computed_tokens)
+                    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                        # The whole prompt must fit into one step: it waits for a roomier one,
+                        # and the requests behind it that fit go first (vLLM v0.11.0).
+                        skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                        continue
+                    num_new_tokens = min(num_new_tokens, token_budget)
+                    if request.has_encoder_inputs:
+                        encoder_inputs_to_schedule, num_new_tokens, new_encoder_compute_budget = (
+                            self._try_schedule_encoder_inputs(
+                                request, num_computed_tokens, num_new_tokens, encoder_compute_budget
+                            )
+                        )
+                        if num_new_tokens == 0:
+                            break  # the head of the queue waits for the encoder (FCFS)
+                # Slots for the external tokens too: the connector loads their KV into them.
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_computed_tokens,
+                    num_new_tokens + num_external_computed_tokens,
+                    num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
                     num_lookahead_tokens=self.num_lookahead_tokens,
                     full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                    delay_cache_blocks=load_kv_async,
                 )
                 if new_blocks is None:
                     # The cache is full; the head of the queue waits (FCFS), and lets go of
@@ -281,7 +365,18 @@ class Scheduler:
                     self.encoder_cache_manager.free(request)
                     break
 
-                self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
+                if connector is not None:
+                    connector.update_state_after_alloc(
+                        request, new_computed_blocks + new_blocks, num_external_computed_tokens
+                    )
+                    if load_kv_async:
+                        # It waits, blocks allocated, until its KV has arrived; it is counted
+                        # in the prefix-cache statistics when it is admitted then.
+                        skipped_waiting_reqs.prepend_request(self.waiting.pop_request())
+                        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                        continue
+
+                self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
                 self.waiting.pop_request()
                 self.running.append(request)
                 if request.status == RequestStatus.PREEMPTED:
@@ -338,6 +433,9 @@ class Scheduler:
             structured_output_request_ids=structured_output_request_ids,
             grammar_bitmask=grammar_bitmask,
         )
+        if connector is not None:
+            # What the workers load and save this step; resets the connector's step state.
+            scheduler_output.kv_connector_metadata = connector.build_connector_meta(scheduler_output)
         self._update_after_schedule(scheduler_output)
         return scheduler_output
 
@@ -559,6 +657,15 @@ class Scheduler:
             new_token_ids, is_stopped = update_request_with_output(request, new_token_ids)
             if request.use_structured_output and self.structured_output_manager.should_advance(request):
                 request.structured_output_request.grammar.accept_tokens(req_id, new_token_ids)
+            kv_transfer_params = None
+            if is_stopped:
+                # Only under async scheduling can a preempted request still get a token: from
+                # the step in flight when it was preempted.
+                if status_before_stop == RequestStatus.RUNNING:
+                    stopped.append(request)
+                else:
+                    stopped_preempted.append(request)
+                kv_transfer_params = self._free_request(request)
             new_logprobs = logprobs[req_index][: len(new_token_ids)] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
@@ -569,16 +676,9 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,
                     prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None,
+                    kv_transfer_params,
                 )
             )
-            if is_stopped:
-                # Only under async scheduling can a preempted request still get a token: from
-                # the step in flight when it was preempted.
-                if status_before_stop == RequestStatus.RUNNING:
-                    stopped.append(request)
-                else:
-                    stopped_preempted.append(request)
-                self._free_request(request)
 
         if stopped:
             gone = {id(r) for r in stopped}
@@ -588,6 +688,8 @@ class Scheduler:
         if self.finished_before_running:
             outputs.extend(self.finished_before_running)
             self.finished_before_running = []
+        if model_runner_output.kv_connector_output is not None:
+            self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_decoding_stats))
 
     def _update_request_with_output(
@@ -634,4 +736,46 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ KV connector (chapter 16)
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Tell the connector a request finished: (keep its blocks until its KV is sent,
+        the KV transfer params for its last output)."""
+        assert self.connector is not None
+        (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)  # one KV cache group
+        return self.connector.request_finished(request, block_ids)
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
+        """Whether the KV of a request in WAITING_FOR_REMOTE_KVS has arrived; if so, commit
+        its blocks to the prefix cache and count their tokens computed.
+
+        Every block it holds was loaded, but at most num_tokens - 1 tokens count as computed:
+        the last prompt token must run through the model to sample the first output token.
+        """
+        if request.request_id not in self.finished_recving_kv_req_ids:
+            return False
+        (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
+        num_computed_tokens = min(len(block_ids) * self.block_size, request.num_tokens)
+        if num_computed_tokens == request.num_tokens:
+            num_computed_tokens -= 1
+        self.kv_cache_manager.cache_blocks(request, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+        self.finished_recving_kv_req_ids.remove(request.request_id)
+        return True
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
+        """Take in the transfers the workers finished: a loaded request may be scheduled from
+        the next step on; a sent one's blocks are freed now."""
+        assert self.connector is not None, "KV connector output without a KV connector"
+        self.connector.update_connector_output(kv_connector_output)
+        for req_id in kv_connector_output.finished_recving or ():
+            # A request aborted while its KV was loading is gone: nothing waits for it.
+            if req_id in self.requests:
+                self.finished_recving_kv_req_ids.add(req_id)
+        for req_id in kv_connector_output.finished_sending or ():
+            request = self.requests.get(req_id)
+            if request is None:
+                logger.warning("finished sending the KV of request %s, which is already freed", req_id)
+            else:
+                self._free_blocks(request)
 
