@@ -28,6 +28,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
+from benchmarks.structured_outputs import PERSON
 from helpers.servers import TIMEOUT_S, ServerThread, stream_completion, wait_until_healthy, wait_until_idle
 
 from nano_v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -184,22 +185,9 @@ def test_bad_chat_request(server):
 
 
 # ------------------------------------------------------------------ structured outputs (chapter 15)
-# Every field required and every string, array and number bounded, so that a sampled (not
-# greedy) output ends within max_tokens with finish_reason "stop".
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
-        "home": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 8}},
-            "required": ["city"],
-        },
-    },
-    "required": ["name", "age", "tags", "home"],
-}
+# The nested schema of chapter 15 (benchmarks/structured_outputs.py): every string, array and
+# number bounded, so that a sampled (not greedy) output ends within max_tokens with finish_reason "stop".
+PERSON_SCHEMA = PERSON
 PERSON_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},

@@ -17,6 +17,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from benchmarks.structured_outputs import PERSON
 from helpers.scheduler import make_scheduler
 
 from nano_v1 import LLM, SamplingParams
@@ -36,22 +37,6 @@ jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.ch15
 
 VOCAB_SIZE = 4096  # the demo model's
-# Nested, with every string bounded: a code model writes Python into an unbounded string until max_tokens.
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"],
-        },
-        "kind": {"enum": ["cat", "dog"]},
-    },
-    "required": ["name", "age", "tags", "address", "kind"],
-}
 REGEX = r"[a-z]{2,6}-[0-9]{3}"
 CHOICES = ["yes", 'say "no"', "back\\slash", "two\nlines", "naïve"]
 STRING_LITERAL = re.compile(r'"(\\.|[^"\\])*"')
