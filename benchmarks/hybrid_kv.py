@@ -16,6 +16,7 @@ nano_v1's allocator's, and a device only changes how many bytes there are.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +50,17 @@ def model_kv_cache_spec(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
     """The layer specs the engine would compute for this model, without allocating its weights.
 
     The modules are built on the meta device under the config (so each `Attention` layer
-    knows its window), then a model runner, which allocates only its small host buffers,
-    names their specs.
+    knows its window), then a model runner names their specs. The runner is built for one
+    request: its host buffers grow with `max_num_seqs` x `max_model_len` (half a GiB of
+    token ids for 4,096 requests of 32k tokens), and the specs do not depend on them.
     """
     hf_config = vllm_config.model_config.hf_config
     with set_current_vllm_config(vllm_config), torch.device("meta"):
         model = resolve_model_cls(hf_config.architectures)(hf_config)
-    runner = GPUModelRunner(vllm_config, torch.device("cpu"))
+    one_request = copy.copy(vllm_config)
+    one_request.scheduler_config = copy.copy(vllm_config.scheduler_config)
+    one_request.scheduler_config.max_num_seqs = 1
+    runner = GPUModelRunner(one_request, torch.device("cpu"))
     runner.attn_layers = {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
     return runner.get_kv_cache_spec()
 
