@@ -380,3 +380,14 @@ def test_unbacked_load_claims_reads_what_chapters_write():
     assert unbacked_load_claims("three rounds on a quiet machine", []) == [
         "'quiet': the JSONs cited record no load average"
     ]
+
+
+def test_readme_references_resolve():
+    """README cites code and tests as the chapters do (`nano_v1/x.py::Name`, `tests/test_x.py::test_y`):
+    each must still resolve."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    problems = sorted(
+        {problem for path, symbol in CODE_REF_RE.findall(text) if (problem := resolve(path, symbol))}
+        | {problem for path, symbol in TEST_REF_RE.findall(text) if (problem := resolve_test_reference(path, symbol))}
+    )
+    assert not problems, "README.md cites what does not exist:\n" + "\n".join(problems)
