@@ -473,21 +473,31 @@ def test_repeated_prompt_hits_in_every_group_and_survives_eviction_outside_the_w
     again = make_request("again", prompt)
     hits, num_hit_tokens = manager.get_computed_blocks(again)
     # 29 tokens may hit: 7 blocks. Full attention has all 7; each window needs the last 2.
-    assert num_hit_tokens == 28 == expected_hybrid_hit(manager, again)
+    assert num_hit_tokens == 28 == expected_hybrid_hit(manager, again), (
+        f"a repeated 30-token prompt hits {num_hit_tokens} tokens; its 7 full blocks (28 tokens) should hit"
+    )
     sliding_a, sliding_b, full = hits.blocks
-    assert [b.is_null for b in sliding_a] == [b.is_null for b in sliding_b] == [True] * 5 + [False] * 2
-    assert not any(b.is_null for b in full) and len(full) == 7
+    for window in (sliding_a, sliding_b):
+        assert [b.is_null for b in window] == [True] * 5 + [False] * 2, (
+            f"a window of 8 needs the last 2 of the 7 hit blocks and nothing older; null blocks: "
+            f"{[b.is_null for b in window]}"
+        )
+    assert not any(b.is_null for b in full) and len(full) == 7, "full attention must hit all 7 blocks"
     # A filler takes the free queue's front: the sliding groups' oldest blocks, dropped first.
     # They are outside the repeated prompt's window, so the hit does not shrink.
     filler = make_request("filler", [99] * 16)
     manager.allocate_slots(filler, 16)  # 4 blocks in each of 3 groups
-    assert manager.get_computed_blocks(make_request("again2", prompt))[1] == 28
+    hit_after_filler = manager.get_computed_blocks(make_request("again2", prompt))[1]
+    assert hit_after_filler == 28, (
+        f"evicting blocks outside the window must not shrink the hit: {hit_after_filler} tokens, not 28"
+    )
     manager.free(filler)
     # Evict much more: now the rule, not the whole prefix, decides how much is left.
     big = make_request("big", [98] * 60)
     manager.allocate_slots(big, 44)
     third = make_request("third", prompt)
-    assert manager.get_computed_blocks(third)[1] == expected_hybrid_hit(manager, third) < 28
+    hit, expected = manager.get_computed_blocks(third)[1], expected_hybrid_hit(manager, third)
+    assert hit == expected < 28, f"after a larger eviction the hit is {hit} tokens; the rule gives {expected} (< 28)"
 
 
 @pytest.mark.ch12_t2

@@ -378,7 +378,6 @@ def head_found(block: torch.Tensor, whole: torch.Tensor, head_size: int) -> int 
 
 
 QKV_LAYOUTS = [
-    (1, 4, 2),
     (2, 4, 2),
     (2, 4, 4),
     (2, 4, 1),
@@ -395,6 +394,12 @@ def test_qkv_weight_loader_gives_each_rank_its_heads(tp_size, num_heads, num_kv_
     num_kv_head_replicas`», each shard's rows at «the shard's place in the fused parameter», weight and
     bias."""
     check_qkv_shards(tp_size, num_heads, num_kv_heads)
+
+
+def test_qkv_weight_loader_on_one_rank_takes_whole_tensors():
+    """Not a task test: one rank holds every head, so the loader copies each tensor whole, outside
+    ch13_t1's region (every model load goes through it, in every chapter's copy)."""
+    check_qkv_shards(1, 4, 2)
 
 
 def _loader_kv_by_modulo(self, param, loaded_weight, shard_id=None):

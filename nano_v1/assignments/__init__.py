@@ -54,8 +54,6 @@ ASSIGNMENT_FILE = "ASSIGNMENT.json"
 # proves that stubbing every other later task fails no test of a copy's own chapter.
 NEEDED_BY_EARLIER_CHAPTERS = {
     "ch09_t3": "the LLM front door turns every step's tokens into text through it",
-    "ch13_t1": "loading any model fills the fused QKV weight through it, with one rank too",
-    "ch13_t2": "every model's forward runs its row-parallel layers (o_proj, down_proj) through it",
 }
 
 

@@ -205,6 +205,10 @@ class QKVParallelLinear(_ShardedColumnLinear):
             loaded_weight,
             f"shard {shard_id!r} of the parameter",
         )
+        if self.tp_size == 1:  # one rank holds every head: the tensor goes whole into its shard's place
+            offset, size = self.shard_offset_and_size(shard_id)
+            param.data.narrow(0, offset, size).copy_(loaded_weight)
+            return
         # BEGIN TASK ch13_t1: copy this rank's heads of the q/k/v tensor into its place in the fused parameter (K/V: rank // num_kv_head_replicas)
         offset, size = self.shard_offset_and_size(shard_id)
         shard_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
@@ -240,6 +244,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` [n, in / tp] (this rank's slice) -> [n, out]: this rank's partial product, with
         the bias added on one rank only (rank 0), then summed over the ranks by one all-reduce."""
+        if self.tp_size == 1:  # one rank: its product is the whole, nothing to sum
+            return F.linear(x, self.weight, self.bias)
         # BEGIN TASK ch13_t2: this rank's partial product (the bias on one rank only), then the sum over ranks
         bias = self.bias if self.tp_rank == 0 else None
         output_parallel = F.linear(x, self.weight, bias)  # [num_tokens, output_size], this rank's share
