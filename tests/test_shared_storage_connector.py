@@ -36,7 +36,7 @@ from nano_v1.sampling_params import SamplingParams
 pytestmark = pytest.mark.ch16
 
 BLOCK_SIZE = 16
-MAX_TOKENS = 6
+MAX_TOKENS = 3
 # Prefill prompts of 10 (less than a block and a token: nothing saved), 20, 33 (32 = two
 # whole blocks before its last token), 40 and 25 tokens; distinct first tokens, distinct keys.
 PREFILL_PROMPTS = [[(7 * i + 3 * j + 1) % 500 + 1 for j in range(n)] for i, n in enumerate((10, 20, 33, 40, 25))]
