@@ -38,8 +38,12 @@ pytestmark = pytest.mark.ch16
 BLOCK_SIZE = 16
 MAX_TOKENS = 3
 # Prefill prompts of 10 (less than a block and a token: nothing saved), 20, 33 (32 = two
-# whole blocks before its last token), 40 and 25 tokens; distinct first tokens, distinct keys.
-PREFILL_PROMPTS = [[(7 * i + 3 * j + 1) % 500 + 1 for j in range(n)] for i, n in enumerate((10, 20, 33, 40, 25))]
+# whole blocks before its last token), 40, 25 and 32 tokens (its decode prompt's 33rd token
+# is the prefill's: v0.11.0 would look for 32 saved tokens there, 16 were saved); distinct
+# first tokens, distinct keys.
+PREFILL_PROMPTS = [
+    [(7 * i + 3 * j + 1) % 500 + 1 for j in range(n)] for i, n in enumerate((10, 20, 33, 40, 25, 32))
+]
 
 # The tiny checkpoint's two attention layers, one file each.
 LAYER_FILES = [f"model.layers.{i}.self_attn.attn.safetensors" for i in range(2)]
@@ -136,7 +140,7 @@ def test_prefill_then_decode_equals_plain_engine(disaggregated):
     prompts = disaggregated["decode_prompts"]
     tokens, num_cached, scheduled = run_decode(disaggregated["model"], disaggregated["storage"], prompts)
     loaded = [expected_loaded_tokens(len(p)) for p in prompts]
-    assert loaded == [0, 16, 32, 32, 16]
+    assert loaded == [0, 16, 32, 32, 16, 16]
     assert num_cached == loaded
     assert scheduled == [len(p) - n for p, n in zip(prompts, loaded)]
     assert tokens == [t[1:] for t in expected]
@@ -151,8 +155,8 @@ def saved_folder(storage: str, prompt: list[int]) -> str:
 
 def test_truncated_or_corrupt_saved_kv_is_recomputed(disaggregated):
     """A truncated file, a garbled header, a flipped data byte: those prompts are computed
-    from scratch (nothing counted as loaded) with the plain engine's tokens; the intact one
-    still loads."""
+    from scratch (nothing counted as loaded) with the plain engine's tokens; the intact ones
+    still load."""
     storage = disaggregated["storage"]
     folders = [saved_folder(storage, p) for p in PREFILL_PROMPTS[1:]]
     assert all(sorted(os.listdir(f)) == LAYER_FILES for f in folders)
@@ -171,7 +175,7 @@ def test_truncated_or_corrupt_saved_kv_is_recomputed(disaggregated):
     prompts = disaggregated["decode_prompts"]
     tokens, num_cached, scheduled = run_decode(disaggregated["model"], storage, prompts)
     assert tokens == [t[1:] for t in disaggregated["expected"]]
-    assert num_cached == [0, 0, 0, 0, expected_loaded_tokens(len(prompts[4]))]
+    assert num_cached == [0, 0, 0, 0] + [expected_loaded_tokens(len(p)) for p in prompts[4:]]
     assert scheduled == [len(p) - n for p, n in zip(prompts, num_cached)]
 
 
