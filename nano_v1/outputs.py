@@ -62,6 +62,9 @@ class KVConnectorOutput:
     # Requests whose KV was loaded: the scheduler may schedule them now.
     finished_recving: set[str] | None = None
 
+    def is_empty(self) -> bool:
+        return not self.finished_sending and not self.finished_recving
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:

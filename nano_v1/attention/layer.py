@@ -1,6 +1,6 @@
 """The `Attention` layer a model holds: heads and a scale in, attention over the paged cache out.
 
-Mirrors vllm/attention/layer.py (chapters 01, 06 and 12).
+Mirrors vllm/attention/layer.py (chapters 01, 06, 12 and 16).
 
 Why it exists: the model code says only "attend" (`self.attn(q, k, v)`), exactly as in a
 Hugging Face model. Everything that depends on the step — which cache slots to write,
@@ -20,6 +20,15 @@ backend splits the model's graph at these nodes. The op takes the layer's name, 
 layer (an op's arguments are tensors and plain values) and finds the layer in the forward
 context. Run eagerly, `Attention.forward` calls the backend directly, skipping the op's
 dispatch cost.
+
+Chapter 16: with a KV connector, each layer waits for its KV to be loaded before it
+attends (`wait_for_kv_layer_from_connector`) and hands its KV cache to the connector to
+save after (`maybe_save_kv_layer_to_connector`), so that a connector can overlap layer
+i's transfer with layer i + 1's compute. Both run in `attend_into`, which the attention op
+calls: outside the piecewise CUDA graphs, as the op is where the graph is split. A FULL
+graph would capture attention and replay it without the hooks, so a connector refuses
+FULL graphs (nano_v1/config/__init__.py). Without a connector they cost one check per
+layer per step.
 """
 
 from __future__ import annotations
@@ -29,7 +38,31 @@ from torch import nn
 
 from nano_v1.attention.selector import get_attn_backend
 from nano_v1.config import get_current_vllm_config
+from nano_v1.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from nano_v1.forward_context import get_forward_context
+
+
+def wait_for_kv_layer_from_connector(layer_name: str) -> None:
+    """Block until the connector has loaded `layer_name`'s KV for this step; a no-op without a
+    connector, and in runs with no attention metadata (profiling, warm-up)."""
+    if not has_kv_transfer_group():
+        return
+    if get_forward_context().attn_metadata is None:
+        return
+    get_kv_transfer_group().wait_for_layer_load(layer_name)
+
+
+def maybe_save_kv_layer_to_connector(layer_name: str, kv_cache_layer: torch.Tensor) -> None:
+    """Let the connector save what it wants of `layer_name`'s KV cache, now that this step's keys
+    and values are in it; a no-op without a connector or attention metadata."""
+    if not has_kv_transfer_group():
+        return
+    attn_metadata = get_forward_context().attn_metadata
+    if attn_metadata is None:
+        return
+    if isinstance(attn_metadata, dict):
+        attn_metadata = attn_metadata[layer_name]
+    get_kv_transfer_group().save_kv_layer(layer_name, kv_cache_layer, attn_metadata)
 
 
 @torch.library.custom_op("nano_v1::unified_attention_with_output", mutates_args=("output",))
@@ -95,6 +128,9 @@ class Attention(nn.Module):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
     ) -> None:
         """Cache this step's keys and values and write the attention into `output`."""
+        kv_transfer = has_kv_transfer_group()  # the connector hooks' one check when there is none
+        if kv_transfer:
+            wait_for_kv_layer_from_connector(self.layer_name)
         attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, dict):
             attn_metadata = attn_metadata[self.layer_name]  # the runner's: one per KV cache group
@@ -107,6 +143,8 @@ class Attention(nn.Module):
             attn_metadata,
             output.view(-1, self.num_heads, self.head_size),
         )
+        if kv_transfer:
+            maybe_save_kv_layer_to_connector(self.layer_name, self.kv_cache)
 
     def extra_repr(self) -> str:
         return (

@@ -101,6 +101,14 @@ class VllmConfig:
             self.scheduler_config.max_num_seqs,
             self.scheduler_config.max_num_batched_tokens,
         )
+        if self.kv_transfer_config is not None and self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            # The connector's hooks run in Python around each attention call (chapter 16); a
+            # FULL graph replays attention without them.
+            raise ValueError(
+                f"kv_transfer_config cannot run with cudagraph_mode={self.compilation_config.cudagraph_mode.name}: "
+                "a FULL CUDA graph replays attention without the KV connector's per-layer hooks; use "
+                "cudagraph_mode='PIECEWISE' (the default) or enforce_eager=True."
+            )
 
     def _max_tokens_per_mm_item(self) -> int | None:
         """The most positions one image can take (the model's processor says), None for a text-only model."""

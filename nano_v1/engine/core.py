@@ -223,9 +223,10 @@ class EngineCore:
         return self.model_executor.collective_rpc(method, args=args)
 
     def shutdown(self) -> None:
-        """Stop the workers (their processes, if any) and the grammar compiler's threads."""
+        """Stop the workers (their processes, if any), the grammar compiler's threads and the KV connector."""
         self.model_executor.shutdown()
         self.structured_output_manager.clear_backend()
+        self.scheduler.shutdown()
 
     def get_kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by requests (0.0 once every request has finished)."""

@@ -1,6 +1,6 @@
 """The model runner: scheduler output in, one forward pass and one sample per request out.
 
-Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11, 12 and 14).
+Mirrors vllm/v1/worker/gpu_model_runner.py (chapters 05, 07, 08, 10, 11, 12, 14 and 16).
 
 Why it is shaped this way: a step's inputs are a flat, ragged batch (every scheduled
 token of every request, back to back), and nearly all of it is already known from the
@@ -33,6 +33,12 @@ gathers them on the device into its input ids (`_prepare_input_ids`), and writes
 the host's placeholders once its own forward is queued, or earlier when the host needs
 them (`_fill_sampled_token_placeholders`). `synchronize_input_prep` keeps a step from
 overwriting pinned buffers that the step before is still copying from.
+
+With a KV connector (chapter 16) the runner hands the connector its KV cache tensors
+once they exist (`register_kv_caches`) and runs each forward pass inside the connector's
+step (`KVConnectorModelRunnerMixin`): the step's metadata bound and loads started before,
+saves waited for and finished transfers collected after, into the output's
+`kv_connector_output`.
 
 The methods follow v0.11.0's order. What differs from v0.11.0: one attention metadata
 builder for every KV cache group; `initialize_cudagraph_capture` runs at construction,
@@ -71,6 +77,7 @@ from nano_v1.compilation.decorators import support_torch_compile
 from nano_v1.config import CompilationLevel, CUDAGraphMode, VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.cudagraph_dispatcher import CudagraphDispatcher
+from nano_v1.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from nano_v1.forward_context import BatchDescriptor, set_forward_context
 from nano_v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from nano_v1.model_executor.model_loader import get_model
@@ -91,6 +98,7 @@ from nano_v1.spec_decode.ngram_proposer import NgramProposer
 from nano_v1.structured_output.utils import apply_grammar_bitmask
 from nano_v1.worker.block_table import CpuGpuBuffer
 from nano_v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from nano_v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from nano_v1.worker.utils import bind_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -150,7 +158,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         return output
 
 
-class GPUModelRunner:
+class GPUModelRunner(KVConnectorModelRunnerMixin):
     """Owns the model, its KV cache tensors, the persistent batch and the per-step buffers.
 
     Constructing it loads nothing; `load_model()` and `initialize_kv_cache()` do, so the
@@ -800,7 +808,10 @@ class GPUModelRunner:
         with self.synchronize_input_prep():
             self._update_states(scheduler_output)
             if scheduler_output.total_num_scheduled_tokens == 0:
-                return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only reported finished requests
+                # A step that only reported finished requests, or only has KV transfers to drive.
+                if not has_kv_transfer_group():
+                    return EMPTY_MODEL_RUNNER_OUTPUT
+                return self.kv_connector_no_forward(scheduler_output)
             common_attn_metadata, logits_indices, discard_req_indices = self._prepare_inputs(scheduler_output)
             spec_decode_metadata = None
             if scheduler_output.scheduled_spec_decode_tokens:
@@ -827,7 +838,13 @@ class GPUModelRunner:
                 num_common_prefix_blocks = None
             attn_metadata = self._build_attention_metadata(common_attn_metadata, num_common_prefix_blocks)
 
-        with set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor):
+        with (
+            set_forward_context(attn_metadata, self.attn_layers, cudagraph_runtime_mode, batch_descriptor),
+            self.maybe_get_kv_connector_output(scheduler_output) as kv_connector_output,
+        ):
+            # With a KV connector (chapter 16): its loads start before the forward, each
+            # attention layer waits for its own and saves its KV, and the saves are done
+            # before the block exits.
             hidden_states = self.model(*self._model_inputs(num_input_tokens))
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs + num_drafts, vocab]
         if scheduler_output.grammar_bitmask is not None:
@@ -842,6 +859,7 @@ class GPUModelRunner:
         output.prompt_logprobs_dict = self._get_prompt_logprobs_dict(
             hidden_states[:num_tokens], scheduler_output.num_scheduled_tokens
         )
+        output.kv_connector_output = kv_connector_output
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(output.sampled_token_ids)
         if not self.use_async_scheduling:
@@ -1096,7 +1114,9 @@ class GPUModelRunner:
         """Take the KV cache groups, allocate the tensors, and bind each layer its view."""
         self.kv_cache_config = kv_cache_config
         self.may_reinitialize_input_batch(kv_cache_config)
-        self.initialize_kv_cache_tensors(kv_cache_config)
+        kv_caches = self.initialize_kv_cache_tensors(kv_cache_config)
+        if has_kv_transfer_group():
+            get_kv_transfer_group().register_kv_caches(kv_caches)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """Each attention layer's KV cache format (chapter 12): a sliding window if the layer

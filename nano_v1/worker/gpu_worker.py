@@ -1,6 +1,6 @@
 """The worker: one device, its model runner, and the sizing of the KV cache.
 
-Mirrors vllm/v1/worker/gpu_worker.py (chapter 02).
+Mirrors vllm/v1/worker/gpu_worker.py (chapters 02 and 16).
 
 Why it exists: the engine core speaks to "a worker" and never to a device. The worker
 owns device setup (which GPU, the seed), answers how much memory is left for the KV
@@ -8,6 +8,8 @@ cache once the model and its largest step fit, and forwards each step to the mod
 runner. With tensor parallelism (chapter 13) there is one worker per rank, each in its
 own process, behind the same interface: `init_device` joins the ranks through
 torch.distributed before the model is built, so that each layer can take its shard.
+With a KV connector (chapter 16) it also builds the process's worker-role connector there,
+and shuts it down with the engine.
 
 What differs from v0.11.0: benchmarks time each step through the worker
 (`start_step_timing`, `stop_step_timing`, reached by `collective_rpc`), which installs a
@@ -26,6 +28,7 @@ from torch import nn
 
 from nano_v1.config import VllmConfig
 from nano_v1.core.sched.output import SchedulerOutput
+from nano_v1.distributed.kv_transfer import ensure_kv_transfer_initialized, ensure_kv_transfer_shutdown
 from nano_v1.distributed.parallel_state import (
     destroy_distributed_environment,
     destroy_model_parallel,
@@ -162,7 +165,11 @@ class Worker:
         """Answering at all is the check (the multiprocess executor calls it with a timeout)."""
 
     def shutdown(self) -> None:
-        """Leave the ranks' groups (a single rank joined none)."""
+        """Shut the KV connector down (chapter 16) and leave the ranks' groups (a single rank joined none)."""
+        if self.model_runner is not None and self.vllm_config.kv_transfer_config is not None:
+            # This worker built the process's one connector in `init_device`, before its runner
+            # (a start refused for another engine's connector has no runner, and leaves it be).
+            ensure_kv_transfer_shutdown()
         if self.vllm_config.parallel_config.world_size > 1:
             destroy_model_parallel()
             destroy_distributed_environment()
@@ -267,15 +274,16 @@ class _TimedForward:
 def init_worker_distributed_environment(
     vllm_config: VllmConfig, rank: int, distributed_init_method: str | None, local_rank: int, backend: str
 ) -> None:
-    """Join the tensor-parallel ranks (vLLM's function of the same name).
+    """Join the tensor-parallel ranks (vLLM's function of the same name), then build the
+    worker's KV connector if the config names one (chapter 16).
 
-    A single rank sets nothing up: the default world of one stands (see
+    A single rank joins nothing: the default world of one stands (see
     nano_v1/distributed/parallel_state.py).
     """
     parallel_config = vllm_config.parallel_config
-    if parallel_config.world_size == 1:
-        return
-    init_distributed_environment(
-        parallel_config.world_size, rank, distributed_init_method, local_rank, backend
-    )
-    ensure_model_parallel_initialized(parallel_config.tensor_parallel_size, backend)
+    if parallel_config.world_size > 1:
+        init_distributed_environment(
+            parallel_config.world_size, rank, distributed_init_method, local_rank, backend
+        )
+        ensure_model_parallel_initialized(parallel_config.tensor_parallel_size, backend)
+    ensure_kv_transfer_initialized(vllm_config)

@@ -738,6 +738,11 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------ KV connector (chapter 16)
+    def shutdown(self) -> None:
+        """Shut the connector's scheduler half down with the engine."""
+        if self.connector is not None:
+            self.connector.shutdown()
+
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Tell the connector a request finished: (keep its blocks until its KV is sent,
         the KV transfer params for its last output)."""
