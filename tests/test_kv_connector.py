@@ -298,6 +298,11 @@ def test_remote_prefill_basic_lifecycle():
     scheduler.update_from_output(scheduler_output, create_model_runner_output([request]))
 
     # Step 4: EOS.
+    finish_with_eos(scheduler, request)
+
+
+def finish_with_eos(scheduler, request) -> None:
+    """One more step, which samples EOS: the request stops, and the scheduler is left empty."""
     scheduler_output = scheduler.schedule()
     engine_core_outputs = scheduler.update_from_output(scheduler_output, create_model_runner_output([request], use_eos=True))
     scheduler.schedule()
@@ -383,12 +388,7 @@ def test_full_block_prompt():
     assert scheduler_output.num_scheduled_tokens[request_id] == 1
     scheduler.update_from_output(scheduler_output, create_model_runner_output([request]))
 
-    scheduler_output = scheduler.schedule()
-    engine_core_outputs = scheduler.update_from_output(scheduler_output, create_model_runner_output([request], use_eos=True))
-    scheduler.schedule()
-    (output,) = engine_core_outputs.outputs
-    assert output.finish_reason == "stop"
-    assert_scheduler_empty(scheduler)
+    finish_with_eos(scheduler, request)
 
 
 def test_cannot_schedule_after_recv():
