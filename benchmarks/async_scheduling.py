@@ -42,7 +42,7 @@ from benchmarks import NEEDS_CHECKOUT
 from benchmarks.context import CONFIGS_DIR, MAX_NUM_BATCHED_TOKENS
 from nano_v1.benchmarks.roofline import H200_DATASHEET, ModelShape, decode_step_cost
 from nano_v1.benchmarks.throughput import time_llm_generate
-from nano_v1.benchmarks.utils import print_table, sample_random_requests, write_json, write_tiny_qwen3
+from nano_v1.benchmarks.utils import print_table, sample_random_requests, spread, write_json, write_tiny_qwen3
 from nano_v1.core.sched.output import SchedulerOutput
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine import EngineCoreRequest
@@ -215,10 +215,6 @@ def time_decode_steps(
         "num_intervals": len(intervals),
     }
 
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, smallest and largest value of a cell's repeats."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def measure_simulated_device(

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from nano_v1 import LLM
+from nano_v1.benchmarks.utils import spread
 from nano_v1.core.sched.output import CachedRequestData, SchedulerOutput
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.arg_utils import EngineArgs
@@ -118,10 +119,6 @@ FULL = {
     "whitespace_max_tokens": WHITESPACE_MAX_TOKENS, "whitespace_repeats": WHITESPACE_REPEATS,
 }  # fmt: skip
 
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, smallest and largest value of a cell's repeats."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def machine_state() -> dict[str, Any]:

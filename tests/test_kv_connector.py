@@ -249,7 +249,11 @@ def test_kv_connector_handles_preemption():
 
 
 # ----------------------------------------------------------------------------- remote prefill lifecycle
+@pytest.mark.ch16_t1
 def test_remote_prefill_basic_lifecycle():
+    """Rules: a request waits until `self.finished_recving_kv_req_ids` names it; then its loaded
+    blocks' tokens, «never more than the request has», count as computed, their full blocks
+    committed to the prefix cache (`self.kv_cache_manager.cache_blocks`)."""
     scheduler = create_lifecycle_scheduler()
     block_size = scheduler.block_size
     num_external_full_blocks = 2
@@ -311,8 +315,12 @@ def finish_with_eos(scheduler, request) -> None:
     assert_scheduler_empty(scheduler)
 
 
+@pytest.mark.ch16_t1
 def test_remote_prefill_interleaved_lifecycle():
-    """Other requests run while a remote prefill's KV arrives."""
+    """Other requests run while a remote prefill's KV arrives.
+
+    Rule: it is admitted only once `self.finished_recving_kv_req_ids` names it, and taken out
+    of that set then."""
     scheduler = create_lifecycle_scheduler()
     block_size = scheduler.block_size
     num_tokens = int(block_size * 2.5)
@@ -364,8 +372,11 @@ def test_no_spurious_prefix_caching():
     assert all(block.ref_cnt == 1 and block.block_hash is None for block in remote_blocks)
 
 
+@pytest.mark.ch16_t1
 def test_full_block_prompt():
-    """A prompt of whole blocks: all loaded, yet its last token is computed again to sample from."""
+    """A prompt of whole blocks: all loaded, yet its last token is computed again to sample from.
+
+    Rule: «at most num_tokens - 1» tokens count as computed."""
     scheduler = create_lifecycle_scheduler()
     block_size = scheduler.block_size
     num_external_full_blocks = 2
@@ -391,8 +402,50 @@ def test_full_block_prompt():
     finish_with_eos(scheduler, request)
 
 
+@pytest.mark.ch16_t1
+def test_update_waiting_for_remote_kv_directly():
+    """The arrival check on its own, before admission allocates anything more.
+
+    Rules: False, nothing changed, until `self.finished_recving_kv_req_ids` names the request;
+    then its tokens computed are those its blocks hold, «never more than the request has» and
+    «at most num_tokens - 1», and their full blocks are committed to the prefix cache
+    (`self.kv_cache_manager.cache_blocks`) right away; the id leaves the set."""
+    scheduler = create_lifecycle_scheduler()
+    block_size = scheduler.block_size
+    request = create_request(1, int(block_size * 2.5), block_size, do_remote_prefill=True)
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), create_model_runner_output([]))
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = req_blocks(scheduler, request.request_id)
+    assert len(blocks) == 3
+
+    assert scheduler._update_waiting_for_remote_kv(request) is False
+    assert request.num_computed_tokens == 0
+    assert all(block.block_hash is None for block in blocks)
+
+    scheduler.finished_recving_kv_req_ids.add(request.request_id)
+    assert scheduler._update_waiting_for_remote_kv(request) is True
+    # 3 blocks hold 48 slots: capped at the 40 prompt tokens, less the last one.
+    assert request.num_computed_tokens == int(block_size * 2.5) - 1
+    assert [block.block_hash is not None for block in blocks] == [True, True, False]
+    assert request.request_id not in scheduler.finished_recving_kv_req_ids
+
+    # A prompt of whole blocks: its last token is left to compute.
+    full = create_request(2, block_size * 2, block_size, do_remote_prefill=True)
+    scheduler.add_request(full)
+    scheduler.update_from_output(scheduler.schedule(), create_model_runner_output([]))
+    scheduler.finished_recving_kv_req_ids.add(full.request_id)
+    assert scheduler._update_waiting_for_remote_kv(full) is True
+    assert full.num_computed_tokens == block_size * 2 - 1
+    assert [block.block_hash is not None for block in req_blocks(scheduler, full.request_id)] == [True, False]
+
+
+@pytest.mark.ch16_t1
 def test_cannot_schedule_after_recv():
-    """Loaded, admitted, then preempted for want of a block: admitted again on its cached blocks."""
+    """Loaded, admitted, then preempted for want of a block: admitted again on its cached blocks.
+
+    Rule: the loaded blocks are committed to the prefix cache (`self.kv_cache_manager.cache_blocks`)
+    when the request is admitted, so they are its hits when it comes back."""
     scheduler = create_lifecycle_scheduler(num_blocks=6)  # 5 usable blocks
     block_size = scheduler.block_size
     num_prompt_blocks = 2

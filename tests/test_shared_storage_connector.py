@@ -132,9 +132,13 @@ def disaggregated(tiny_qwen3, tmp_path_factory) -> Iterator[dict[str, Any]]:
     }
 
 
+@pytest.mark.ch16_t2
 def test_prefill_then_decode_equals_plain_engine(disaggregated):
     """The decode engine loads the saved blocks, schedules only the rest of each prompt, and
-    generates the plain engine's tokens."""
+    generates the plain engine's tokens.
+
+    Rule: a request loads «the whole blocks before the last prompt token» of its prompt
+    (`align_to_block_size`), when they were saved; nothing otherwise."""
     expected = disaggregated["expected"]
     assert [t[:1] for t in expected] == disaggregated["first_tokens"]
     prompts = disaggregated["decode_prompts"]
@@ -144,6 +148,37 @@ def test_prefill_then_decode_equals_plain_engine(disaggregated):
     assert num_cached == loaded
     assert scheduled == [len(p) - n for p, n in zip(prompts, loaded)]
     assert tokens == [t[1:] for t in expected]
+
+
+@pytest.mark.ch16_t2
+def test_local_prefix_hits_are_not_loaded_again(disaggregated):
+    """A decode engine's own prefix cache comes first: the connector loads only what lies past
+    the local hit, and nothing when the local hit covers more than was saved.
+
+    Rules: the answer counts the saved tokens past `num_computed_tokens` (the local hit), and
+    is «never negative»."""
+    prompts = disaggregated["decode_prompts"]
+    expected = [t[1:] for t in disaggregated["expected"]]
+    llm = make_llm(disaggregated["model"], "kv_consumer", disaggregated["storage"])
+    try:
+        scheduled = ScheduledPromptTokens(llm)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        # The first block of prompts[3] (41 tokens, 32 saved) is computed here: a local hit of 16.
+        llm.generate([{"prompt_token_ids": prompts[3][:17]}], params, use_tqdm=False)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert first[3].num_cached_tokens == 32  # 16 hit locally + 16 loaded
+        assert scheduled.by_prompt[tuple(prompts[3])] == len(prompts[3]) - 32
+        # Every prompt again: its whole blocks before its last token are local hits now,
+        # (L - 1) // 16 * 16 tokens, past what was saved for the 33-token prompt (16).
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.num_cached_tokens for o in first] == [expected_loaded_tokens(len(p)) for p in prompts]
+    local_hits = [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    assert local_hits[5] > expected_loaded_tokens(len(prompts[5]))
+    assert [o.num_cached_tokens for o in again] == local_hits
+    for outputs in (first, again):
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
 def saved_folder(storage: str, prompt: list[int]) -> str:

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -193,6 +194,11 @@ def print_table(
         print("  ".join(cells))
     for note in notes:
         print(note)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, smallest and largest value of a cell's repeats: on a shared machine one number hides the noise."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def environment() -> dict[str, Any]:

@@ -1316,4 +1316,62 @@ MUTANTS: dict[str, list[Mutant]] = {
             new="",
         ),
     ],
+    "ch16_t1": [
+        Mutant(
+            "admits_before_the_kv_arrives",
+            "never checks the workers' report: the request runs on blocks whose KV has not arrived",
+            old="        if request.request_id not in self.finished_recving_kv_req_ids:\n            return False\n",
+            new="",
+        ),
+        Mutant(
+            "counts_the_last_prompt_token",
+            "counts every loaded token computed, so a prompt of whole blocks has nothing left to sample from",
+            old="        if num_computed_tokens == request.num_tokens:\n            num_computed_tokens -= 1\n",
+            new="",
+        ),
+        Mutant(
+            "counts_whole_blocks",
+            "counts the loaded blocks' slots, past the prompt's end when its last block is partly full",
+            old="min(len(block_ids) * self.block_size, request.num_tokens)",
+            new="len(block_ids) * self.block_size",
+        ),
+        Mutant(
+            "blocks_not_cached",
+            "never commits the loaded blocks to the prefix cache, so they are no hit for anyone, itself included",
+            old="        self.kv_cache_manager.cache_blocks(request, num_computed_tokens)\n",
+            new="",
+        ),
+        Mutant(
+            "id_left_in_the_set",
+            "leaves the id in finished_recving_kv_req_ids, a leak that admits a later request of that id early",
+            old="        self.finished_recving_kv_req_ids.remove(request.request_id)\n",
+            new="",
+        ),
+    ],
+    "ch16_t2": [
+        Mutant(
+            "counts_the_last_prompt_token",
+            "aligns the whole prompt instead of the tokens before its last one: a prompt of L = 16k + 1 loads a block too many",
+            old="align_to_block_size(len(request.prompt_token_ids) - 1, self._block_size)",
+            new="align_to_block_size(len(request.prompt_token_ids), self._block_size)",
+        ),
+        Mutant(
+            "ignores_the_local_hit",
+            "answers the whole saved prefix, counting the locally cached blocks twice",
+            old="max(num_tokens_to_check - num_computed_tokens, 0)",
+            new="num_tokens_to_check",
+        ),
+        Mutant(
+            "negative_answer",
+            "answers saved minus local even when the local hit reaches past the saved prefix",
+            old="max(num_tokens_to_check - num_computed_tokens, 0)",
+            new="num_tokens_to_check - num_computed_tokens",
+        ),
+        Mutant(
+            "loads_without_a_save",
+            "answers the aligned count even when nothing valid is saved",
+            old="        if not self._found_match_for_request(request):\n            return 0, False\n",
+            new="",
+        ),
+    ],
 }

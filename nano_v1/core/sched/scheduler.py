@@ -754,9 +754,16 @@ class Scheduler:
         """Whether the KV of a request in WAITING_FOR_REMOTE_KVS has arrived; if so, commit
         its blocks to the prefix cache and count their tokens computed.
 
-        Every block it holds was loaded, but at most num_tokens - 1 tokens count as computed:
-        the last prompt token must run through the model to sample the first output token.
+        It has arrived once the workers' `finished_recving` named it
+        (`self.finished_recving_kv_req_ids`); take it out of that set then, or a later
+        request with its id would be admitted before its own KV arrived. Every block it
+        holds was loaded, so its tokens computed are the tokens those blocks hold
+        («never more than the request has»), but «at most num_tokens - 1»: the last prompt
+        token must run through the model to sample the first output token. Those computed
+        tokens' full blocks are committed to the prefix cache now
+        (`self.kv_cache_manager.cache_blocks`): admission left them out, as they were empty.
         """
+        # BEGIN TASK ch16_t1: arrived? then the loaded blocks' tokens (capped, never the last one) are computed and cached
         if request.request_id not in self.finished_recving_kv_req_ids:
             return False
         (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -767,6 +774,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         self.finished_recving_kv_req_ids.remove(request.request_id)
         return True
+        # END TASK
 
     def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
         """Take in the transfers the workers finished: a loaded request may be scheduled from

@@ -183,13 +183,24 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler role
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The saved whole blocks before the last prompt token, past the local hits; loaded synchronously."""
+        """The tokens this request can load, past the `num_computed_tokens` its local prefix-cache
+        hit already covers, and whether they load asynchronously (never, here: they are loaded
+        in the step that computes the rest of the prompt).
+
+        What can be loaded is the saved prefix `_found_match_for_request` checks: «the whole
+        blocks before the last prompt token» (`align_to_block_size`), as the last prompt token
+        is always computed again, its logits giving the first sampled token. No valid save:
+        nothing to load. The local hit may reach past the saved prefix: the answer is «never
+        negative».
+        """
+        # BEGIN TASK ch16_t2: nothing saved -> 0; else the saved whole blocks before the last prompt token, minus the local hit
         if not self._found_match_for_request(request):
             return 0, False
         logger.info("External cache hit for request %s", request.request_id)
         num_tokens_to_check = align_to_block_size(len(request.prompt_token_ids) - 1, self._block_size)
         # A local prefix-cache hit can reach past the saved prefix; v0.11.0 would answer < 0.
         return max(num_tokens_to_check - num_computed_tokens, 0), False
+        # END TASK
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
