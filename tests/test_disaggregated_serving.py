@@ -88,6 +88,14 @@ def ask_all(base_url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[t
     return asyncio.run(run())
 
 
+def generation_tokens(base_url: str) -> float:
+    """The server's `vllm:generation_tokens_total` (Prometheus text format)."""
+    for line in httpx.get(f"{base_url}/metrics", timeout=TIMEOUT_S).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no vllm:generation_tokens_total in /metrics")
+
+
 def token_prompt(length: int, seed: int) -> list[int]:
     """Distinct token-id prompts: no two share a first block (nor a saved prefix)."""
     return [(seed * 37 + 11 * j) % 400 + 1 for j in range(length)]
@@ -103,7 +111,8 @@ def chat(content: str, stream: bool) -> tuple[str, dict[str, Any]]:
 
 
 def test_concurrent_requests_through_the_proxy_equal_a_single_server(servers):
-    """8 at once, completions and chat, whole and streamed: the plain server's text exactly."""
+    """8 at once, completions and chat, whole and streamed: the plain server's text exactly; the
+    prefill server made one token per request (the proxy's max_tokens=1)."""
     requests = [
         completion("def fibonacci(n):\n    if n < 2:\n        return n\n    return", stream=False),
         completion("import numpy as np\n\ndef softmax(x):\n", stream=True),
@@ -114,9 +123,11 @@ def test_concurrent_requests_through_the_proxy_equal_a_single_server(servers):
         chat("hello", stream=False),
         completion("class Stack:\n    def __init__(self):\n", stream=True),
     ]
+    generated_before = generation_tokens(servers["prefill"])
     through_proxy = ask_all(servers["proxy"], requests)
     expected = ask_all(servers["oracle"], requests)
     assert [status for status, _ in through_proxy] == [200] * len(requests)
+    assert generation_tokens(servers["prefill"]) - generated_before == len(requests)
     texts = [answer_text(answer) for _, answer in through_proxy]
     assert all(texts)
     assert texts == [answer_text(answer) for _, answer in expected]
