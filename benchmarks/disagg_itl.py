@@ -45,8 +45,8 @@ SERVED_MODEL_NAME = "demo"
 ENGINE_KWARGS: dict[str, Any] = {
     "dtype": "float32", "max_model_len": 640, "block_size": 16, "num_gpu_blocks_override": 512,
 }  # fmt: skip
-FULL = {"num_decode_streams": 4, "decode_max_tokens": 512, "long_prompt_len": 512, "long_prompt_interval_s": 0.5}
-SMOKE = {"num_decode_streams": 2, "decode_max_tokens": 200, "long_prompt_len": 256, "long_prompt_interval_s": 0.25}
+FULL = {"num_decode_streams": 4, "decode_max_tokens": 256, "long_prompt_len": 256, "long_prompt_interval_s": 1.0}
+SMOKE = {"num_decode_streams": 2, "decode_max_tokens": 64, "long_prompt_len": 128, "long_prompt_interval_s": 0.5}
 
 
 def shared_storage_config(kv_role: str, storage: str) -> dict[str, Any]:
@@ -133,17 +133,20 @@ async def _decode_stream(client: Any, prompt: list[int], max_tokens: int) -> lis
 
 
 async def _long_prompts(client: Any, rng: np.random.Generator, length: int, interval_s: float, stop: asyncio.Event) -> int:
-    """Send a fresh long prompt (one output token) every `interval_s` until `stop`; return how many."""
-    sent: list[asyncio.Task] = []
+    """Send a fresh long prompt (one output token) every `interval_s` until `stop`; return how many.
+
+    One at a time: a server slower than the arrivals gets the next prompt when it answers the
+    last, so a queue of prompts never builds up (the decodes' stalls stay one prefill long).
+    """
+    num_sent = 0
     while not stop.is_set():
+        start = time.perf_counter()
         prompt = rng.integers(1, 400, size=length).tolist()  # fresh: no prefix-cache hit
-        sent.append(asyncio.create_task(
-            client.completions.create(model=SERVED_MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0.0)
-        ))  # fmt: skip
+        await client.completions.create(model=SERVED_MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0.0)
+        num_sent += 1
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
-    await asyncio.gather(*sent)
-    return len(sent)
+            await asyncio.wait_for(stop.wait(), max(interval_s - (time.perf_counter() - start), 0.0))
+    return num_sent
 
 
 async def _workload(base_url: str, size: dict[str, Any], seed: int) -> dict[str, Any]:

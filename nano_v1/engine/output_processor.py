@@ -155,7 +155,8 @@ class OutputProcessor:
 
         Each output belongs to one engine-core request. One of a request this processor no
         longer holds is dropped: the user aborted it, or a stop string ended it here before the
-        core saw the abort. For the others, in order:
+        core saw the abort. For the others, first the prompt logprobs and the KV connector's
+        `kv_transfer_params` (chapter 16; a final output carries them) go to the parent; then, in order:
 
         - count it in `iteration_stats`, if given (`IterationStats.update_from_output`);
         - append its token ids (and logprobs, if the request asked for them) to the request's
