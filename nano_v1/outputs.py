@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -160,3 +161,6 @@ class RequestOutput:
     # With `SamplingParams.prompt_logprobs`: per prompt token, its logprob and the top ones
     # (None for the first token); else None. A DELTA stream has them in one output only.
     prompt_logprobs: PromptLogprobs | None = None
+    # In the final output, what the engine's KV connector says another engine needs to fetch
+    # this request's KV (disaggregated prefill, chapter 16); None without.
+    kv_transfer_params: dict[str, Any] | None = None

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
@@ -96,18 +96,28 @@ def engine_flags(engine_args: EngineArgs) -> list[str]:
 
 
 @contextmanager
-def running_server(engine_args: EngineArgs, served_model_name: str) -> Iterator[str]:
+def running_server(
+    engine_args: EngineArgs,
+    served_model_name: str,
+    extra_flags: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    command: Sequence[str] | None = None,
+) -> Iterator[str]:
     """`nano-v1 serve` in a process of its own on a free loopback port; yields its base URL once healthy.
 
-    Its output goes to a temporary log, whose end a start-up failure quotes.
+    `extra_flags`: more `nano-v1 serve` flags; `env`: the process's environment (default:
+    this one's), e.g. OMP_NUM_THREADS; `command`: another server to start instead (given
+    `--port`), e.g. the disaggregated-serving proxy (chapter 16). Its output goes to a
+    temporary log, whose end a start-up failure quotes.
     """
     with socket.socket() as s:  # a free port: the server binds it a moment later
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "nano_v1.entrypoints.cli", "serve", *engine_flags(engine_args),
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name]
+    if command is None:
+        command = [sys.executable, "-m", "nano_v1.entrypoints.cli", "serve", *engine_flags(engine_args),
+                   "--host", "127.0.0.1", "--served-model-name", served_model_name, *extra_flags]
     with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             base_url = f"http://127.0.0.1:{port}"
             _wait_until_healthy(server, base_url, log)

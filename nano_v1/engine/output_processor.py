@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from nano_v1.engine import EngineCoreOutput, EngineCoreRequest
 from nano_v1.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from nano_v1.metrics.stats import IterationStats, RequestStateStats
 from nano_v1.logprobs import Logprob, PromptLogprobs
+from nano_v1.metrics.stats import IterationStats, RequestStateStats
 from nano_v1.outputs import CompletionOutput, LogprobsTensors, RequestOutput
 from nano_v1.sampling_params import RequestOutputKind
 
@@ -46,6 +47,8 @@ class ParentRequest:
     # Per completion, (tokens, characters) already sent: what DELTA outputs skip. Both only
     # grow: what was sent cannot be taken back.
     num_sent: list[tuple[int, int]] = field(default_factory=list)
+    # The KV connector's params from a child's last output (chapter 16), for the final output.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def finished(self) -> bool:
         return all(c is not None and c.finished() for c in self.completions)
@@ -152,7 +155,8 @@ class OutputProcessor:
 
         Each output belongs to one engine-core request. One of a request this processor no
         longer holds is dropped: the user aborted it, or a stop string ended it here before the
-        core saw the abort. For the others, in order:
+        core saw the abort. For the others, first the prompt logprobs and the KV connector's
+        `kv_transfer_params` (chapter 16; a final output carries them) go to the parent; then, in order:
 
         - count it in `iteration_stats`, if given (`IterationStats.update_from_output`);
         - append its token ids (and logprobs, if the request asked for them) to the request's
@@ -180,8 +184,12 @@ class OutputProcessor:
         """
         for out in engine_core_outputs:
             state = self.request_states.get(out.request_id)
-            if out.new_prompt_logprobs_tensors is not None and state is not None:
+            if state is None:
+                continue
+            if out.new_prompt_logprobs_tensors is not None:
                 self._update_prompt_logprobs(state.parent, out.new_prompt_logprobs_tensors)
+            if out.kv_transfer_params is not None:
+                state.parent.kv_transfer_params = out.kv_transfer_params
         # BEGIN TASK ch09_t3: this step's text, stop strings and outputs per user request; what a stop string ends, the core must abort
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
@@ -272,6 +280,7 @@ class OutputProcessor:
             finished=parent.finished(),
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=_pop_prompt_logprobs(parent),
+            kv_transfer_params=parent.kv_transfer_params if parent.finished() else None,
         )
 
 

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
     server.add_argument("--max-request-body-bytes", type=int, default=None,
                         help="requests with a larger body get a 413 (default: 32 MiB)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage reports prompt_tokens_details.cached_tokens (prefix cache and KV connector hits)")
     EngineArgs.add_cli_args(server)
     server.set_defaults(func=_serve)
 

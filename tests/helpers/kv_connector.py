@@ -16,6 +16,10 @@ module is imported, plays the scheduler role of a real connector without moving 
   `request_finished` answers (True if it has blocks, the params naming them).
 
 Its metadata lists the requests whose KV the workers load in the step.
+
+`ParamsSharedStorageConnector` (registered under its class name too) is a whole connector,
+workers included, whose finished requests report KV transfer params, for the tests of
+`RequestOutput.kv_transfer_params`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from nano_v1.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from nano_v1.distributed.kv_transfer.kv_connector.v1.shared_storage_connector import SharedStorageConnector
 from nano_v1.outputs import KVConnectorOutput
 from nano_v1.request import Request, RequestStatus
 
@@ -102,3 +107,26 @@ class RecordingConnector(KVConnectorBase_V1):
 
 
 KVConnectorFactory.register_connector("RecordingConnector", __name__, RecordingConnector.__name__)
+
+
+class ParamsSharedStorageConnector(SharedStorageConnector):
+    """SharedStorageConnector whose `request_finished` answers params for a remote decode, as
+    NixlConnector's does: a request with `do_remote_decode` that finishes gets
+    {"do_remote_prefill": True, "remote_block_ids": its block ids, "num_prompt_tokens": ...}.
+    Its blocks are freed at once (nothing is sent). What `RequestOutput.kv_transfer_params`
+    must carry to the user."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        return False, {
+            "do_remote_prefill": True,
+            "remote_block_ids": list(block_ids),
+            "num_prompt_tokens": request.num_prompt_tokens,
+        }
+
+
+KVConnectorFactory.register_connector(
+    "ParamsSharedStorageConnector", __name__, ParamsSharedStorageConnector.__name__
+)

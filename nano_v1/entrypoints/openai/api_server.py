@@ -212,8 +212,10 @@ def build_app(
     registry: prometheus_client.CollectorRegistry,
     api_keys: list[str] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
-    """The routes over `engine`; `registry` holds the engine's metrics (see `make_stat_loggers`)."""
+    """The routes over `engine`; `registry` holds the engine's metrics (see `make_stat_loggers`);
+    with `enable_prompt_tokens_details`, usage counts the cached prompt tokens."""
     app = FastAPI()
     app.include_router(router)
     app.add_exception_handler(RequestValidationError, validation_exception_handler)
@@ -224,8 +226,10 @@ def build_app(
     if api_keys:
         app.add_middleware(AuthenticationMiddleware, tokens=api_keys)
     app.state.engine_client = engine
-    app.state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_name)
-    app.state.openai_serving_chat = OpenAIServingChat(engine, served_model_name)
+    app.state.openai_serving_completion = OpenAIServingCompletion(
+        engine, served_model_name, enable_prompt_tokens_details
+    )
+    app.state.openai_serving_chat = OpenAIServingChat(engine, served_model_name, enable_prompt_tokens_details)
     app.state.openai_serving_tokenization = OpenAIServingTokenization(engine, served_model_name)
     app.state.served_model_name = served_model_name
     app.state.max_model_len = engine.vllm_config.model_config.max_model_len
@@ -300,6 +304,7 @@ async def run_server(args: argparse.Namespace) -> None:
                 registry,
                 api_keys,
                 DEFAULT_MAX_REQUEST_BODY_BYTES if max_body is None else max_body,
+                args.enable_prompt_tokens_details,
             )
             await serve_http(app, sock, log_level="info", timeout_keep_alive=envs.http_timeout_keep_alive_s())
         finally:

@@ -138,10 +138,16 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None  # prompt tokens not computed: prefix-cache and KV connector hits
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With `--enable-prompt-tokens-details` and a cache hit, as vLLM's.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class JsonSchemaResponseFormat(OpenAIRequestModel):
@@ -194,8 +200,9 @@ def _reject_unless(no_op_values: tuple[Any, ...]):
 class SamplingRequest(OpenAIRequestModel):
     """The fields completions and chat share: OpenAI's, plus vLLM's extras (top_k, min_p,
     repetition_penalty, bad_words, allowed_token_ids, min_tokens, ignore_eos,
-    spaces_between_special_tokens, truncate_prompt_tokens, and vllm_xargs: a custom logits
-    processor's per-request arguments, which become `SamplingParams.extra_args`)."""
+    spaces_between_special_tokens, truncate_prompt_tokens, vllm_xargs: a custom logits
+    processor's per-request arguments, which become `SamplingParams.extra_args`, and
+    kv_transfer_params: the KV connector's, chapter 16)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -222,6 +229,9 @@ class SamplingRequest(OpenAIRequestModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     vllm_xargs: Annotated[dict[str, str | int | float], Field(max_length=MAX_VLLM_XARGS)] | None = None
+    # vLLM's, for disaggregated serving (chapter 16): what the engine's KV connector reads, e.g.
+    # {"do_remote_decode": true} from a proxy to a prefill server; `Request.kv_transfer_params`.
+    kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: the prompt's own logprobs and the top `prompt_logprobs` per prompt token, in the
     # response's `prompt_logprobs` (a whole response's only: not with stream, as vLLM).
     prompt_logprobs: StrictInt | None = None
@@ -277,6 +287,13 @@ class SamplingRequest(OpenAIRequestModel):
         """Top logprobs per prompt token, or None for no prompt logprobs."""
         return self.prompt_logprobs
 
+    def _extra_args(self) -> dict[str, Any] | None:
+        """`SamplingParams.extra_args`: `vllm_xargs`, and `kv_transfer_params` under its own key, as vLLM's."""
+        extra_args = dict(self.vllm_xargs or {})
+        if self.kv_transfer_params:
+            extra_args["kv_transfer_params"] = self.kv_transfer_params
+        return extra_args or None
+
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Raise ValueError (an HTTP 400) if a value is out of range."""
         return SamplingParams(
@@ -298,7 +315,7 @@ class SamplingRequest(OpenAIRequestModel):
             ignore_eos=self.ignore_eos,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            extra_args=self.vllm_xargs or None,
+            extra_args=self._extra_args(),
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
@@ -480,6 +497,8 @@ class CompletionResponseChoice(ChoiceBase):
 class CompletionResponse(ResponseBase):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseChoice]
+    # vLLM's: the first prompt's `RequestOutput.kv_transfer_params` (chapter 16); a whole response's only.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatResponseMessage(OpenAIBaseModel):
@@ -513,6 +532,8 @@ class ChatCompletionResponse(ResponseBase):
     choices: list[ChatCompletionResponseChoice]
     # vLLM's: the prompt's `RequestOutput.prompt_logprobs`, when asked for.
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's: the `RequestOutput.kv_transfer_params` (chapter 16).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatCompletionResponseStreamChoice(ChoiceBase):

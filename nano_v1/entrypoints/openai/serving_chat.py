@@ -68,6 +68,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=usage,
             prompt_logprobs=_clamp_prompt_logprobs(output.prompt_logprobs),
+            kv_transfer_params=output.kv_transfer_params,
         )
 
     def _stream_chunk(

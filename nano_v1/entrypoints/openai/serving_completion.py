@@ -64,7 +64,13 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_logprobs=prompt_logprobs,
                     )
                 )
-        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+        return CompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=outputs[0].kv_transfer_params,
+        )
 
     _full_response = request_output_to_completion_response  # what `_serve` answers a whole request with
 

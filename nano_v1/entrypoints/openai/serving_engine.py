@@ -42,6 +42,7 @@ from nano_v1.entrypoints.openai.protocol import (
     ChatMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptTokenUsageInfo,
     ResponseBase,
     SamplingRequest,
     UsageInfo,
@@ -72,9 +73,13 @@ class OpenAIServing:
     # The prefix of the ids of this endpoint's responses ("cmpl-...", "chatcmpl-...").
     request_id_prefix: str
 
-    def __init__(self, engine_client: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self, engine_client: AsyncLLM, served_model_name: str, enable_prompt_tokens_details: bool = False
+    ) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
+        # Whether usage reports the cached prompt tokens (`prompt_tokens_details.cached_tokens`).
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     @staticmethod
     def create_error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
@@ -143,7 +148,8 @@ class OpenAIServing:
         except (EngineDeadError, EngineShutdownError) as e:
             return self.create_error_response(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
         if not request.stream:
-            usage = usage_info(firsts, sum(len(c.token_ids) for output in firsts for c in output.outputs))
+            num_completion_tokens = sum(len(c.token_ids) for output in firsts for c in output.outputs)
+            usage = usage_info(firsts, num_completion_tokens, self.enable_prompt_tokens_details)
             return JSONResponse(self._full_response(firsts, request, usage, request_id).model_dump())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         return StreamingResponse(
@@ -200,7 +206,8 @@ class OpenAIServing:
                         yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
                         sent_role.add(c.index)
                 if include_usage:
-                    usage_chunk = self._usage_chunk(request_id, usage_info(firsts, num_completion_tokens))
+                    usage = usage_info(firsts, num_completion_tokens, self.enable_prompt_tokens_details)
+                    usage_chunk = self._usage_chunk(request_id, usage)
                     yield f"data: {usage_chunk.model_dump_json(exclude_none=True)}\n\n"
             except Exception as e:
                 if isinstance(e, (EngineDeadError, EngineShutdownError)):
@@ -278,13 +285,20 @@ async def _run_until_disconnect(raw_request: Request, awaitable: Awaitable[Any])
     return None
 
 
-def usage_info(outputs: list[RequestOutput], num_completion_tokens: int) -> UsageInfo:
+def usage_info(
+    outputs: list[RequestOutput], num_completion_tokens: int, enable_prompt_tokens_details: bool = False
+) -> UsageInfo:
+    """The token counts; with `enable_prompt_tokens_details`, the last prompt's cached tokens too, if
+    any (as v0.11.0 reports them: the prompt tokens the prefix cache or a KV connector supplied)."""
     num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    return UsageInfo(
+    usage = UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
     )
+    if enable_prompt_tokens_details and outputs[-1].num_cached_tokens:
+        usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=outputs[-1].num_cached_tokens)
+    return usage
 
 
 def _numbered(output: RequestOutput, i: int, n: int) -> list[CompletionOutput]:
