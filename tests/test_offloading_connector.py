@@ -28,6 +28,7 @@ import torch
 from helpers.offloading import MockLoadStoreSpec, MockOffloadingSpec, generate_store_output
 from helpers.scheduler import make_scheduler
 
+from benchmarks.kv_connectors import offload_sweep
 from nano_v1.config import KVTransferConfig
 from nano_v1.core.kv_cache_utils import BlockHash, get_request_block_hasher
 from nano_v1.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -565,3 +566,15 @@ def test_too_small_cpu_tier_recomputes(cycles):
     assert too_small["num_loaded"] == 0
     assert too_small["num_cached"] == cycles["plain"]["num_cached"]
     assert too_small["tokens"] == cycles["plain"]["tokens"]
+
+
+def test_offload_sweep_smoke():
+    """benchmarks/kv_connectors.py on the demo model: the same workload's counts add up, and
+    the CPU tier that holds the working set moves 128 tokens from computed to loaded."""
+    plain, fits = offload_sweep([0, 10])
+    for row in (plain, fits):
+        assert row["prompt_tokens"] == 8 * 72
+        assert row["computed_prompt_tokens"] + row["loaded_tokens"] + row["device_hit_tokens"] == row["prompt_tokens"]
+    assert (plain["loaded_tokens"], fits["loaded_tokens"]) == (0, 128)
+    assert plain["device_hit_tokens"] == fits["device_hit_tokens"] == 7 * 32
+    assert plain["computed_prompt_tokens"] - fits["computed_prompt_tokens"] == 128

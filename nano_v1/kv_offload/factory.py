@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from nano_v1.kv_offload.spec import OffloadingSpec
@@ -27,22 +26,18 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadingSpecFactory:
-    # name -> a loader that imports the spec's module and returns its class.
-    _registry: ClassVar[dict[str, Callable[[], type[OffloadingSpec]]]] = {}
+    # name -> (module path, class name); the module is imported only when the name is used.
+    _registry: ClassVar[dict[str, tuple[str, str]]] = {}
 
     @classmethod
     def register_spec(cls, name: str, module_path: str, class_name: str) -> None:
-        """Make `name` build `module_path.class_name`; the module is imported only when used."""
         if name in cls._registry:
             raise ValueError(f"Offloading spec '{name}' is already registered.")
-
-        def loader() -> type[OffloadingSpec]:
-            return getattr(importlib.import_module(module_path), class_name)
-
-        cls._registry[name] = loader
+        cls._registry[name] = (module_path, class_name)
 
     @classmethod
     def create_spec(cls, config: VllmConfig) -> OffloadingSpec:
+        """The spec named by `kv_connector_extra_config["spec_name"]`, built from `config`."""
         kv_transfer_config = config.kv_transfer_config
         assert kv_transfer_config is not None
         spec_name = kv_transfer_config.get_from_extra_config("spec_name", "CPUOffloadingSpec")
@@ -51,7 +46,8 @@ class OffloadingSpecFactory:
                 f"Unsupported kv_connector_extra_config['spec_name']: {spec_name!r}; "
                 f"registered specs: {sorted(cls._registry)}."
             )
-        spec_cls = cls._registry[spec_name]()
+        module_path, class_name = cls._registry[spec_name]
+        spec_cls = getattr(importlib.import_module(module_path), class_name)
         assert issubclass(spec_cls, OffloadingSpec)
         logger.info("Creating offloading spec with name: %s", spec_name)
         return spec_cls(config)
