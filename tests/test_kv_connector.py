@@ -633,7 +633,7 @@ def test_connector_refuses_several_kv_cache_groups():
 
 def test_factory_names_the_unknown_connector_and_the_registered_ones():
     config = KVTransferConfig(kv_connector="NoSuchConnector", kv_role="kv_both")
-    registered = r"\['ParamsSharedStorageConnector', 'RecordingConnector', 'SharedStorageConnector'\]"
+    registered = r"\['OffloadingConnector', 'ParamsSharedStorageConnector', 'RecordingConnector', 'SharedStorageConnector'\]"
     with pytest.raises(ValueError, match=r"'NoSuchConnector'.*" + registered):
         make_scheduler(16, 4, 64, 4, 64, True, kv_transfer_config=config)
     with pytest.raises(ValueError, match="already registered"):

@@ -88,9 +88,12 @@ class EngineCore:
         self.step_fn: Callable[[], EngineCoreOutputs | None] = (
             self.step if self.batch_queue is None else self.step_with_batch_queue
         )
+        # Block hashes key the prefix cache (chapter 03) and a KV connector's blocks (chapter 16).
         cache_config = vllm_config.cache_config
         self.request_block_hasher = (
-            get_request_block_hasher(cache_config.block_size) if cache_config.enable_prefix_caching else None
+            get_request_block_hasher(cache_config.block_size)
+            if cache_config.enable_prefix_caching or self.scheduler.connector is not None
+            else None
         )
 
     def _initialize_kv_caches(self) -> KVCacheConfig:

@@ -71,3 +71,8 @@ KVConnectorFactory.register_connector(
     "nano_v1.distributed.kv_transfer.kv_connector.v1.shared_storage_connector",
     "SharedStorageConnector",
 )
+KVConnectorFactory.register_connector(
+    "OffloadingConnector",
+    "nano_v1.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    "OffloadingConnector",
+)
