@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -80,7 +81,10 @@ def running_plain_server(
 def running_proxy(prefill_url: str, decode_url: str) -> contextlib.AbstractContextManager[str]:
     """The example proxy (examples/online_serving/disaggregated_serving/disagg_proxy.py); yields its URL."""
     command = [sys.executable, "-m", PROXY_MODULE, "--prefiller-url", prefill_url, "--decoder-url", decode_url]
-    return running_server(EngineArgs(), SERVED_MODEL_NAME, command=command)
+    # `examples` is found from the checkout's root, whatever the caller's directory (a notebook runs in notebooks/).
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return running_server(EngineArgs(), SERVED_MODEL_NAME, command=command, env=env)
 
 
 @dataclass(slots=True)
@@ -192,7 +196,9 @@ def measure_itl(
             front_door = servers.proxy_url
         else:
             raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {mode!r}.")
-        result = asyncio.run(_workload(front_door, size, seed))
+        # In a thread of its own: a notebook's kernel already runs an event loop in this one.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            result = pool.submit(asyncio.run, _workload(front_door, size, seed)).result()
     gaps = result["gaps_s"]
     return {
         "mode": mode,

@@ -1,16 +1,132 @@
-"""Benchmarks for chapter 16: KV connectors."""
+"""KV connectors measured: bytes moved per token, loading against recomputing, a CPU tier's hits.
+
+Mirrors what vLLM measures with its serving benchmark (vllm/benchmarks/serve.py) against
+deployed prefill and decode servers (chapter 16), in one process on the demo model. Needs
+a source checkout (`pip install .` installs only nano_v1): imported from its root.
+
+Why it exists: chapter 16 predicts, from the KV cache's shape, how many bytes a prompt
+token costs to move, and that loading them beats computing them again. This module
+measures both on the demo model, through the real engines and connectors:
+  - `measure_shared_storage`: bytes per token on disk against the prediction, and the
+    decode side's time to first token with the prefill's KV stored against computing the
+    prompt itself (`SharedStorageConnector`);
+  - `offload_sweep`: prefix hits and recomputed prompt tokens against the CPU tier's size
+    (`OffloadingConnector`).
+The decode side's inter-token latency, one server against prefill and decode servers, is
+benchmarks/disagg_itl.py (it starts servers).
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from nano_v1 import LLM
+from nano_v1.benchmarks.utils import spread
+from nano_v1.config import VllmConfig
 from nano_v1.demo_model import DEMO_MODEL_PATH
 from nano_v1.engine.arg_utils import EngineArgs
-from nano_v1.entrypoints.llm import LLM
+from nano_v1.outputs import RequestOutput
 from nano_v1.sampling_params import SamplingParams
 
+
+# ---------------------------------------------------------------------------- disaggregated prefill through files
+def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """Predicted from the model's shape: keys and values, every layer, every KV head, in the cache's dtype."""
+    model_config = vllm_config.model_config
+    dtype_bytes = model_config.dtype.itemsize
+    return 2 * model_config.get_num_layers() * model_config.get_num_kv_heads() * model_config.get_head_size() * dtype_bytes
+
+
+def _storage_engine(kv_role: str | None, storage: str | None, max_model_len: int) -> LLM:
+    """The demo model in float32 in this process; a SharedStorageConnector when `kv_role` is given."""
+    kv_transfer_config = None
+    if kv_role is not None:
+        kv_transfer_config = {
+            "kv_connector": "SharedStorageConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"shared_storage_path": storage},
+        }
+    args = EngineArgs(
+        model=str(DEMO_MODEL_PATH), dtype="float32", seed=0, max_model_len=max_model_len,
+        kv_transfer_config=kv_transfer_config,
+    )  # fmt: skip
+    return LLM.from_engine_args(args, enable_multiprocessing=False)
+
+
+def _time_first_token(llm: LLM, prompt: list[int]) -> tuple[float, RequestOutput]:
+    """Seconds for one request of `prompt` to return its first (greedy) token, and its output."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    start = time.perf_counter()
+    (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - start, output
+
+
+def measure_shared_storage(prompt_lens: tuple[int, ...], repeats: int, storage: str) -> dict[str, Any]:
+    """Bytes per token on disk against the prediction, and the decode side's time to first token
+    with the prefill's KV stored against computing the prompt itself.
+
+    Each (length, repeat) draws a fresh prompt, so that no engine finds it in its own prefix
+    cache. A plain engine times each prompt (recompute); a prefill engine ("kv_producer")
+    saves them all; a decode engine ("kv_consumer") is given each prompt plus the prefill's
+    token, as the disaggregated-prefill example does, and loads the saved whole blocks. One
+    engine with a connector lives at a time in a process, so they run one after the other.
+    """
+    max_model_len = max(prompt_lens) + 8
+    rng = np.random.default_rng(0)
+    prompts = {(n, r): rng.integers(1, 4096, size=n).tolist() for n in prompt_lens for r in range(repeats)}
+    plain = _storage_engine(None, None, max_model_len)
+    try:
+        _time_first_token(plain, [1, 2, 3])  # warm up
+        recompute = {key: _time_first_token(plain, p) for key, p in prompts.items()}
+        predicted = kv_bytes_per_token(plain.llm_engine.vllm_config)
+        block_size = plain.llm_engine.vllm_config.cache_config.block_size
+    finally:
+        plain.llm_engine.shutdown()
+    prefill = _storage_engine("kv_producer", storage, max_model_len)
+    try:
+        save = {key: _time_first_token(prefill, p) for key, p in prompts.items()}
+    finally:
+        prefill.llm_engine.shutdown()
+    decode = _storage_engine("kv_consumer", storage, max_model_len)
+    try:
+        _time_first_token(decode, [1, 2, 3])
+        loaded = {key: _time_first_token(decode, p + list(save[key][1].outputs[0].token_ids)) for key, p in prompts.items()}
+    finally:
+        decode.llm_engine.shutdown()
+    folders = [os.path.join(storage, name) for name in os.listdir(storage)]
+    rows = []
+    for n in prompt_lens:
+        keys = [(n, r) for r in range(repeats)]
+        num_saved = (n - 1) // block_size * block_size  # the whole blocks before the prompt's last token
+        assert all(loaded[k][1].num_cached_tokens == num_saved for k in keys), "the decode engine did not load"
+        # Decode must continue with the plain engine's first token: the prefill's.
+        assert all(save[k][1].outputs[0].token_ids == recompute[k][1].outputs[0].token_ids for k in keys)
+        rows.append({
+            "prompt_len": n,
+            "saved_tokens": num_saved,
+            "recompute_ttft_ms": spread([1e3 * recompute[k][0] for k in keys]),
+            "prefill_and_save_ms": spread([1e3 * save[k][0] for k in keys]),
+            "loaded_ttft_ms": spread([1e3 * loaded[k][0] for k in keys]),
+        })  # fmt: skip
+    saved_bytes = sum(os.path.getsize(os.path.join(f, name)) for f in folders for name in os.listdir(f))
+    saved_tokens = sum((n - 1) // block_size * block_size for n, _ in prompts)
+    return {
+        "model": "demo model (nano_v1/demo_model), float32",
+        "block_size": block_size,
+        "repeats": repeats,
+        "predicted_bytes_per_token": predicted,
+        "measured_bytes_per_token": saved_bytes / saved_tokens,
+        "num_files": sum(len(os.listdir(f)) for f in folders),
+        "rows": rows,
+    }
+
+
+# ---------------------------------------------------------------------------- offloading to a CPU tier
 
 def offload_sweep(
     num_cpu_blocks_list: list[int], num_prompts: int = 4, shared_prefix_len: int = 32, unique_len: int = 40,

@@ -74,13 +74,15 @@ NOTEBOOKS = (
     "13_tensor_parallel",
     "14_async_scheduling",
     "15_structured_outputs",
+    "16_kv_connectors",
 )
 # Packages a notebook needs beyond the GPU image's: 09 and 14 start engine-core processes (ZMQ, msgpack);
-# 15 needs the grammar engine and its oracle.
+# 15 needs the grammar engine and its oracle; 16 starts OpenAI servers and the proxy.
 NOTEBOOK_NEEDS = {
     "09_processes": ("zmq", "msgspec"),
     "14_async_scheduling": ("zmq", "msgspec"),
     "15_structured_outputs": ("xgrammar", "jsonschema"),
+    "16_kv_connectors": ("zmq", "msgspec", "fastapi", "uvicorn", "httpx"),
 }
 NOTEBOOK_CAP_S = 60.0  # one notebook at smoke sizes: start-up, compiled engines, its own sweeps
 
