@@ -367,7 +367,7 @@ def test_failure_message_is_the_first_line_an_assertion_gives():
 
 
 # Chapters whose tasks exist so far; the course's goal is every chapter 01-10.
-CHAPTERS_WITH_TASKS = tuple(f"ch{n:02d}" for n in range(1, 16))  # every chapter but 00
+CHAPTERS_WITH_TASKS = tuple(f"ch{n:02d}" for n in range(1, 17))  # every chapter but 00
 
 
 def test_chapters_with_tasks_have_two_each_listed_in_their_chapter_and_the_readme():

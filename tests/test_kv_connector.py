@@ -102,11 +102,13 @@ def req_blocks(scheduler: Scheduler, request_id: str):
 
 def assert_scheduler_empty(scheduler: Scheduler) -> None:
     """No request, block or id left behind."""
-    assert len(scheduler.requests) == 0
-    assert len(scheduler.waiting) == 0
-    assert len(scheduler.running) == 0
-    assert len(scheduler.finished_req_ids) == 0
-    assert len(scheduler.finished_recving_kv_req_ids) == 0
+    assert len(scheduler.requests) == 0, f"requests left: {list(scheduler.requests)}"
+    assert len(scheduler.waiting) == 0, "requests left waiting"
+    assert len(scheduler.running) == 0, "requests left running"
+    assert len(scheduler.finished_req_ids) == 0, "finished ids left"
+    assert len(scheduler.finished_recving_kv_req_ids) == 0, (
+        f"ids left in finished_recving_kv_req_ids: {scheduler.finished_recving_kv_req_ids}"
+    )
     assert len(scheduler.encoder_cache_manager.freed) == 0
     assert len(scheduler.encoder_cache_manager.cached) == 0
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
@@ -415,29 +417,33 @@ def test_update_waiting_for_remote_kv_directly():
     request = create_request(1, int(block_size * 2.5), block_size, do_remote_prefill=True)
     scheduler.add_request(request)
     scheduler.update_from_output(scheduler.schedule(), create_model_runner_output([]))
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, request.status
     blocks = req_blocks(scheduler, request.request_id)
-    assert len(blocks) == 3
+    assert len(blocks) == 3, f"{len(blocks)} blocks allocated for 40 tokens"
 
-    assert scheduler._update_waiting_for_remote_kv(request) is False
-    assert request.num_computed_tokens == 0
-    assert all(block.block_hash is None for block in blocks)
+    assert scheduler._update_waiting_for_remote_kv(request) is False, "the workers have not reported it loaded"
+    assert request.num_computed_tokens == 0, "nothing counts as computed before the KV arrives"
+    assert all(block.block_hash is None for block in blocks), "blocks committed to the cache before the KV arrived"
 
     scheduler.finished_recving_kv_req_ids.add(request.request_id)
-    assert scheduler._update_waiting_for_remote_kv(request) is True
+    assert scheduler._update_waiting_for_remote_kv(request) is True, "finished_recving_kv_req_ids names it"
     # 3 blocks hold 48 slots: capped at the 40 prompt tokens, less the last one.
-    assert request.num_computed_tokens == int(block_size * 2.5) - 1
-    assert [block.block_hash is not None for block in blocks] == [True, True, False]
-    assert request.request_id not in scheduler.finished_recving_kv_req_ids
+    assert request.num_computed_tokens == int(block_size * 2.5) - 1, (
+        f"{request.num_computed_tokens} tokens computed; 39 expected (40 prompt tokens, the last one left to compute)"
+    )
+    committed = [block.block_hash is not None for block in blocks]
+    assert committed == [True, True, False], f"blocks committed to the prefix cache: {committed}; the 2 full ones expected"
+    assert request.request_id not in scheduler.finished_recving_kv_req_ids, "its id is left in finished_recving_kv_req_ids"
 
     # A prompt of whole blocks: its last token is left to compute.
     full = create_request(2, block_size * 2, block_size, do_remote_prefill=True)
     scheduler.add_request(full)
     scheduler.update_from_output(scheduler.schedule(), create_model_runner_output([]))
     scheduler.finished_recving_kv_req_ids.add(full.request_id)
-    assert scheduler._update_waiting_for_remote_kv(full) is True
-    assert full.num_computed_tokens == block_size * 2 - 1
-    assert [block.block_hash is not None for block in req_blocks(scheduler, full.request_id)] == [True, False]
+    assert scheduler._update_waiting_for_remote_kv(full) is True, "finished_recving_kv_req_ids names it"
+    assert full.num_computed_tokens == block_size * 2 - 1, f"{full.num_computed_tokens} tokens computed; 31 expected"
+    committed = [block.block_hash is not None for block in req_blocks(scheduler, full.request_id)]
+    assert committed == [True, False], f"blocks committed: {committed}; the block holding the last token is not full of computed tokens"
 
 
 @pytest.mark.ch16_t1
@@ -455,8 +461,8 @@ def test_cannot_schedule_after_recv():
     def step(reqs, num_running, num_waiting, **kwargs) -> SchedulerOutput:
         scheduler_output = scheduler.schedule()
         scheduler.update_from_output(scheduler_output, create_model_runner_output(reqs, **kwargs))
-        assert len(scheduler.running) == num_running
-        assert len(scheduler.waiting) == num_waiting
+        assert len(scheduler.running) == num_running, f"{len(scheduler.running)} running, {num_running} expected"
+        assert len(scheduler.waiting) == num_waiting, f"{len(scheduler.waiting)} waiting, {num_waiting} expected"
         return scheduler_output
 
     scheduler.add_request(request_normal)
@@ -470,7 +476,7 @@ def test_cannot_schedule_after_recv():
     scheduler_output = scheduler.schedule()
     assert scheduler_output.scheduled_cached_reqs.num_computed_tokens[0] == num_prompt_blocks * block_size
     scheduler.update_from_output(scheduler_output, create_model_runner_output([request_remote]))
-    assert len(scheduler.running) == 1 and len(scheduler.waiting) == 0
+    assert (len(scheduler.running), len(scheduler.waiting)) == (1, 0), "the loaded request runs again, nothing waits"
     step([request_remote], 0, 0, use_eos=True)
     scheduler.schedule()
     assert_scheduler_empty(scheduler)

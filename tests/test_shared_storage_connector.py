@@ -166,19 +166,21 @@ def test_local_prefix_hits_are_not_loaded_again(disaggregated):
         # The first block of prompts[3] (41 tokens, 32 saved) is computed here: a local hit of 16.
         llm.generate([{"prompt_token_ids": prompts[3][:17]}], params, use_tqdm=False)
         first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert first[3].num_cached_tokens == 32  # 16 hit locally + 16 loaded
-        assert scheduled.by_prompt[tuple(prompts[3])] == len(prompts[3]) - 32
+        assert first[3].num_cached_tokens == 32, f"{first[3].num_cached_tokens} cached; 16 hit locally + 16 loaded expected"
+        assert scheduled.by_prompt[tuple(prompts[3])] == len(prompts[3]) - 32, "scheduled more than the prompt minus its hits"
         # Every prompt again: its whole blocks before its last token are local hits now,
         # (L - 1) // 16 * 16 tokens, past what was saved for the 33-token prompt (16).
         again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
-    assert [o.num_cached_tokens for o in first] == [expected_loaded_tokens(len(p)) for p in prompts]
+    cached = [o.num_cached_tokens for o in first]
+    assert cached == [expected_loaded_tokens(len(p)) for p in prompts], f"first pass, cached tokens {cached}"
     local_hits = [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
     assert local_hits[5] > expected_loaded_tokens(len(prompts[5]))
-    assert [o.num_cached_tokens for o in again] == local_hits
+    cached = [o.num_cached_tokens for o in again]
+    assert cached == local_hits, f"second pass, cached tokens {cached}; the local hits {local_hits} expected"
     for outputs in (first, again):
-        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected, "tokens differ from the plain engine's"
 
 
 def saved_folder(storage: str, prompt: list[int]) -> str:
