@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.disagg_itl import shared_storage_config
 from nano_v1 import LLM
 from nano_v1.benchmarks.utils import spread
 from nano_v1.config import VllmConfig
@@ -44,13 +45,7 @@ def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
 
 def _storage_engine(kv_role: str | None, storage: str | None, max_model_len: int) -> LLM:
     """The demo model in float32 in this process; a SharedStorageConnector when `kv_role` is given."""
-    kv_transfer_config = None
-    if kv_role is not None:
-        kv_transfer_config = {
-            "kv_connector": "SharedStorageConnector",
-            "kv_role": kv_role,
-            "kv_connector_extra_config": {"shared_storage_path": storage},
-        }
+    kv_transfer_config = None if kv_role is None else shared_storage_config(kv_role, storage)
     args = EngineArgs(
         model=str(DEMO_MODEL_PATH), dtype="float32", seed=0, max_model_len=max_model_len,
         kv_transfer_config=kv_transfer_config,

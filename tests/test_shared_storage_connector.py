@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.disagg_itl import shared_storage_config
 from nano_v1.distributed.kv_transfer import (
     ensure_kv_transfer_initialized,
     ensure_kv_transfer_shutdown,
@@ -50,13 +51,7 @@ LAYER_FILES = [f"model.layers.{i}.self_attn.attn.safetensors" for i in range(2)]
 
 
 def make_llm(model: str, kv_role: str | None = None, storage: str | None = None) -> LLM:
-    kv_transfer_config = None
-    if kv_role is not None:
-        kv_transfer_config = {
-            "kv_connector": "SharedStorageConnector",
-            "kv_role": kv_role,
-            "kv_connector_extra_config": {"shared_storage_path": storage},
-        }
+    kv_transfer_config = None if kv_role is None else shared_storage_config(kv_role, storage)
     args = EngineArgs(
         model=model, dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, num_gpu_blocks_override=64,
         kv_transfer_config=kv_transfer_config,
