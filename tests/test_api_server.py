@@ -33,7 +33,7 @@ from helpers.servers import TIMEOUT_S, ServerThread, stream_completion, wait_unt
 
 from nano_v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
-pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
+pytestmark = pytest.mark.ch09  # every test talks to a real server
 
 PROMPT = "def fibonacci(n):\n"
 # The example's custom logits processor, by name: the engine core imports it in its own process.
@@ -327,6 +327,7 @@ def test_disconnect_mid_stream_aborts_in_core(server):
     assert time.monotonic() - start < 3
 
 
+@pytest.mark.slow
 def test_nano_v1_serve_command():
     """The real entrypoint in its own process: it comes up, serves, and stops on Ctrl-C."""
     with socket.socket() as s:

@@ -287,7 +287,9 @@ GRADED_TESTS = textwrap.dedent(
     @pytest.mark.parametrize("n", range(1, 13))
     def test_t1_fails_loudly(n):
         print("noise\\n" * 500)
-        assert [0] * 300 == [n] * 300, "x must be " + "long " * 100
+        # A long one-line explanation: a long list's would cost minutes of difflib where
+        # pytest believes it runs in CI (env CI set), which prints full diffs.
+        assert "0" * 900 == str(n) * 900, "x must be " + "long " * 100
 
     @pytest.mark.ch09
     @pytest.mark.ch09_t2
@@ -333,7 +335,7 @@ def test_grade_runs_the_tasks_own_tests_quietly(tmp_path, capfd):
     assert max(map(len, lines)) <= 300, table
     assert f"  ... and {12 - MAX_FAILURES_SHOWN} more" in lines, table
     assert f"  full output: {t1.rerun}" in lines, table
-    assert "noise" not in table and "Traceback" not in table and "assert [0" not in table, table
+    assert "noise" not in table and "Traceback" not in table and "assert '000" not in table, table
     # The second pass: the chapter's tests outside the tasks, for no points.
     task_scores, others, runs = grade(
         root, tasks, ["-p", "no:cacheprovider"], chapter_tests=True, verbose=False
@@ -394,7 +396,7 @@ def test_chapters_with_tasks_have_two_each_listed_in_their_chapter_and_the_readm
 COURSE_PARTS = {
     "Part I": tuple(f"ch{n:02d}" for n in range(1, 6)),
     "Part II": tuple(f"ch{n:02d}" for n in range(6, 9)),
-    "Part III": tuple(f"ch{n:02d}" for n in range(9, 16)),
+    "Part III": tuple(f"ch{n:02d}" for n in range(9, 17)),
 }
 LARGER_TASK_LINES = 40
 

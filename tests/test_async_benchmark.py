@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("zmq")  # the demo model part starts engine-core processes (chapter 09)
 pytest.importorskip("msgspec")
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.slow]  # every test reads one smoke run of the benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

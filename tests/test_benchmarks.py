@@ -109,7 +109,6 @@ def test_scheduler_benchmark_max_steps(tmp_path):
 
 
 @pytest.mark.ch01
-@pytest.mark.slow
 def test_throughput_benchmark_against_both_peers(tiny_qwen3, tmp_path, capsys):
     out = tmp_path / "tput.json"
     cli.main([

@@ -475,7 +475,6 @@ def shared_prefix_reference(tiny_qwen3):
     return tiny_qwen3, prompts, hf_greedy(tiny_qwen3, prompts)
 
 
-@pytest.mark.slow
 def test_forced_cascade_matches_transformers(shared_prefix_reference, monkeypatch):
     path, prompts, expected = shared_prefix_reference
     calls = _count_cascades(monkeypatch)

@@ -14,7 +14,6 @@ from nano_v1.entrypoints.cli import main
 pytestmark = pytest.mark.ch01
 
 
-@pytest.mark.slow
 def test_generate_with_the_bundled_model():
     result = run_cli("generate", "def fibonacci(n):", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr

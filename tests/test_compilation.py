@@ -164,7 +164,6 @@ def test_split_module_equals_the_unsplit_model_at_every_size_with_one_trace(comp
     assert compilation_counter.num_graphs_seen == seen, "a new batch size made Dynamo trace again"
 
 
-@pytest.mark.slow
 def test_greedy_parity_with_compilation(compiled_llm, prompts_and_expected):
     prompts, expected = prompts_and_expected
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)

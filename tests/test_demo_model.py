@@ -73,7 +73,6 @@ def test_tokenizer_round_trips_python_source(tokenizer):
         assert tokenizer.eos_token_id not in ids
 
 
-@pytest.mark.slow
 def test_greedy_continuations_match_transformers(hf_model, tokenizer):
     from nano_v1 import LLM, SamplingParams
 

@@ -105,7 +105,6 @@ def test_detokenizer_never_splits_a_multibyte_character(llms):
     assert "".join(deltas) == tokenizer.decode(token_ids) == text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [
@@ -133,7 +132,6 @@ def test_multiprocess_matches_in_process(llms, params):
     assert engine_core.call_utility("get_kv_cache_usage") == 0.0
 
 
-@pytest.mark.slow
 def test_prefix_cache_metrics_cross_the_process_boundary(monkeypatch):
     """Each step's statistics ride on its outputs, also from steps that sample nothing."""
     # A 32-token budget chunks the prompts: some requests are admitted in steps that
@@ -294,7 +292,6 @@ def test_streamed_deltas_add_up_to_the_text_whatever_the_stop_string_length(stop
     )
 
 
-@pytest.mark.slow
 def test_a_burst_of_3000_requests_all_finish(llms, monkeypatch):
     """Regression: libzmq's default queue limit (1,000 messages) made the ROUTER drop requests silently.
 

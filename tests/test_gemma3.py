@@ -77,7 +77,6 @@ def test_logits_match_transformers_position_by_position(tiny_gemma3):
     torch.testing.assert_close(second[31:], expected[1][7:8], atol=1e-4, rtol=0)
 
 
-@pytest.mark.slow
 def test_layers_form_hybrid_groups_with_one_shared_pool(hf_reference):
     path, prompts, expected = hf_reference
     got, _ = nano_greedy(path, prompts, MAX_NEW)
@@ -106,7 +105,6 @@ def test_layers_form_hybrid_groups_with_one_shared_pool(hf_reference):
     assert len(runner.input_batch.block_table.block_tables) == 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -155,7 +153,6 @@ def test_small_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     assert got == expected
 
 
-@pytest.mark.slow
 def test_prefix_cache_hits_have_the_rules_length(tiny_gemma3):
     prompts = gemma3_prompts(1, lengths=(50, 77))
     shared = prompts[0][:40]
@@ -204,7 +201,6 @@ def test_gemma_pattern_of_five_to_one(tmp_path):
     assert len(config.kv_cache_groups) == 6 and len(config.kv_cache_tensors) == 1
 
 
-@pytest.mark.slow
 def test_piecewise_graphs_with_hybrid_groups(hf_reference, monkeypatch):
     path, prompts, expected = hf_reference
     engine = engine_with_fake_graphs(path, CUDAGraphMode.PIECEWISE, [1, 2, 4, 8], monkeypatch)

@@ -99,13 +99,13 @@ def test_smoke_async_scheduling_pairs_each_batch_size(smoke_report):
     assert report["summary"]["async_decode_speedup"] == result["async_decode_speedup"]
 
 
+@pytest.mark.slow
 def test_the_smoke_report_goes_into_the_ledger(smoke_report, tmp_path):
     out, report = smoke_report
     target = ledger.add_to_ledger(out / "gpu_suite.json", tmp_path)
     assert target.name == f"gpu_suite-{report['environment']['date'][:10]}-{ledger.device_slug(report['environment']['device'])}.json"
     latest = ledger.latest_gpu_results("gpu_suite", tmp_path)
     assert latest["measurements"] == report["measurements"] and latest["ledger_file"] == target.name
-
 
 
 @pytest.mark.slow

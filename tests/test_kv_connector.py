@@ -109,23 +109,27 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     assert len(scheduler.finished_recving_kv_req_ids) == 0, (
         f"ids left in finished_recving_kv_req_ids: {scheduler.finished_recving_kv_req_ids}"
     )
-    assert len(scheduler.encoder_cache_manager.freed) == 0
-    assert len(scheduler.encoder_cache_manager.cached) == 0
+    assert len(scheduler.encoder_cache_manager.freed) == 0, "encoder cache entries left to free"
+    assert len(scheduler.encoder_cache_manager.cached) == 0, "encoder cache entries left"
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    assert len(manager.req_to_blocks) == 0
-    assert len(manager.num_cached_block) == 0
+    assert len(manager.req_to_blocks) == 0, f"blocks left held by {list(manager.req_to_blocks)}"
+    assert len(manager.num_cached_block) == 0, f"cached-block counts left for {list(manager.num_cached_block)}"
     block_pool = scheduler.kv_cache_manager.block_pool
-    assert block_pool.free_block_queue.num_free_blocks == block_pool.num_gpu_blocks - 1
+    num_free = block_pool.free_block_queue.num_free_blocks
+    assert num_free == block_pool.num_gpu_blocks - 1, f"{num_free} of {block_pool.num_gpu_blocks - 1} blocks free"
     # Hashes stay (eviction is lazy); references do not.
-    assert all(block.ref_cnt == 0 for block in block_pool.blocks)
+    assert all(block.ref_cnt == 0 for block in block_pool.blocks), "blocks still referenced"
 
 
 # ----------------------------------------------------------------------------- v0.11.0's test_scheduler.py
 def _assert_right_scheduler_output(output: SchedulerOutput, num_requests: int, expected_num_scheduled_tokens: int):
     """The connector's metadata names the requests that load KV; each scheduled the rest of its prompt."""
-    assert len(output.kv_connector_metadata.requests) == num_requests
-    for num_scheduled_tokens in output.num_scheduled_tokens.values():
-        assert num_scheduled_tokens == expected_num_scheduled_tokens
+    num_loading = len(output.kv_connector_metadata.requests)
+    assert num_loading == num_requests, f"{num_loading} requests in the connector's metadata, {num_requests} expected"
+    for req_id, num_scheduled_tokens in output.num_scheduled_tokens.items():
+        assert num_scheduled_tokens == expected_num_scheduled_tokens, (
+            f"{req_id} scheduled {num_scheduled_tokens} tokens, {expected_num_scheduled_tokens} expected"
+        )
 
 
 def _assert_right_kv_cache_manager(scheduler, requests, num_tokens, block_size, num_requests, num_total_blocks):
@@ -133,11 +137,14 @@ def _assert_right_kv_cache_manager(scheduler, requests, num_tokens, block_size, 
     expected_total_blocks = num_tokens // block_size
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     for req in requests:
-        assert manager.num_cached_block[req.request_id] == expected_total_blocks
-        assert len(manager.req_to_blocks[req.request_id]) == expected_total_blocks
-        assert len(req.block_hashes) == expected_total_blocks
-    blocks_per_req = num_tokens / block_size
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == num_total_blocks - num_requests * blocks_per_req
+        num_cached = manager.num_cached_block[req.request_id]
+        assert num_cached == expected_total_blocks, f"{num_cached} blocks cached, {expected_total_blocks} expected"
+        num_held = len(manager.req_to_blocks[req.request_id])
+        assert num_held == expected_total_blocks, f"{num_held} blocks held, {expected_total_blocks} expected"
+        assert len(req.block_hashes) == expected_total_blocks, f"{len(req.block_hashes)} block hashes"
+    num_free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    expected_free = num_total_blocks - num_requests * num_tokens // block_size
+    assert num_free == expected_free, f"{num_free} blocks free, {expected_free} expected"
 
 
 def _step_until_done(scheduler: Scheduler, output: SchedulerOutput, model_runner_output: ModelRunnerOutput):
@@ -146,10 +153,10 @@ def _step_until_done(scheduler: Scheduler, output: SchedulerOutput, model_runner
     all_finished = False
     while not all_finished:
         output = scheduler.schedule()
-        assert len(scheduler.running)
-        for num_scheduled_tokens in output.num_scheduled_tokens.values():
-            assert num_scheduled_tokens == 1
-        assert len(output.kv_connector_metadata.requests) == 0
+        assert len(scheduler.running), "nothing running before every request finished"
+        for req_id, num_scheduled_tokens in output.num_scheduled_tokens.items():
+            assert num_scheduled_tokens == 1, f"{req_id} scheduled {num_scheduled_tokens} tokens in a decode step"
+        assert len(output.kv_connector_metadata.requests) == 0, "a decode step loads KV"
         ecos = scheduler.update_from_output(output, model_runner_output)
         all_finished = all(eco.finish_reason is not None for eco in ecos.outputs)
 

@@ -39,14 +39,12 @@ def test_default_settings_match_transformers(hf_reference):
     assert [o.prompt_token_ids for o in outputs] == prompts  # input order kept
 
 
-@pytest.mark.slow
 def test_tiny_token_budget_forces_chunked_prefill(hf_reference):
     path, prompts, expected = hf_reference
     got, _ = nano_greedy(path, prompts, max_num_batched_tokens=16)
     assert got == expected
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_block_sizes(hf_reference, block_size):
     path, prompts, expected = hf_reference
@@ -54,7 +52,6 @@ def test_block_sizes(hf_reference, block_size):
     assert got == expected
 
 
-@pytest.mark.slow
 def test_small_kv_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     path, prompts, expected = hf_reference
     preempted = []
@@ -66,7 +63,6 @@ def test_small_kv_cache_preempts_and_still_matches(hf_reference, monkeypatch):
     assert got == expected
 
 
-@pytest.mark.slow
 def test_prefix_caching_hits_and_matches(tiny_qwen3):
     prompts = make_prompts(1, shared_prefix=70)
     expected = hf_greedy(tiny_qwen3, prompts)
@@ -149,7 +145,6 @@ def test_prefix_cache_metrics_ignore_admissions_that_failed(tiny_qwen3):
     assert prefix_cache_counters(llm) == (3 * 40, 0)
 
 
-@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_the_batch(tiny_qwen3):
     llm = LLM(model=tiny_qwen3, dtype="float32", max_num_batched_tokens=32)
     prompt = {"prompt_token_ids": make_prompts(2)[4]}
@@ -175,7 +170,6 @@ def test_n_completions_and_max_tokens(tiny_qwen3):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds, distinct samples
 
 
-@pytest.mark.slow
 def test_min_tokens_holds_back_eos(tiny_qwen3):
     """With EOS forced to be the likeliest token, min_tokens still yields min_tokens tokens."""
     llm = LLM(model=tiny_qwen3, dtype="float32")

@@ -97,7 +97,6 @@ def params(**kwargs) -> SamplingParams:
 
 
 # ---------------------------------------------------------------------------- custom processors
-@pytest.mark.slow
 def test_custom_processors_change_exactly_the_rows_that_ask(llm, hf_model):
     """In one batch, requests with `target_token` sample only it, requests with `ban` never sample
     their token, and every other request is token-identical to transformers' greedy."""
@@ -112,7 +111,6 @@ def test_custom_processors_change_exactly_the_rows_that_ask(llm, hf_model):
     assert got[1] != plain and ban not in got[1]
 
 
-@pytest.mark.slow
 def test_custom_processor_by_name_in_the_engine_core_process():
     """The worker in another process builds the processor from its name ("module:Class")."""
     llm = LLM(model=str(DEMO_MODEL_PATH), dtype="float32", logits_processors=[FQCN])
@@ -180,7 +178,6 @@ def test_custom_processor_follows_the_persistent_batch():
         assert got == [rows.get(i, plain[i]) for i in range(batch.num_reqs)]
 
 
-@pytest.mark.slow
 def test_requests_with_extra_args_are_not_drafted_for():
     """The rejection sampler knows nothing of custom processors, so with n-gram speculation a
     request with `extra_args` gets no drafts: its tokens are still the processor's."""
@@ -231,7 +228,6 @@ def test_builtin_and_custom_processors_take_v0_11_0s_constructor():
 
 
 # ---------------------------------------------------------------------------- truncate_prompt_tokens
-@pytest.mark.slow
 def test_truncate_prompt_tokens_keeps_the_last_k_tokens(llm):
     """The engine sees only the prompt's last k tokens: the same output as those alone, the
     prefix cache holds the kept part (a second request hits it), and stop strings still apply."""
@@ -254,7 +250,6 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(llm):
     assert whole.prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])  # -1: max_model_len
 
 
-@pytest.mark.slow
 def test_truncate_prompt_tokens_beyond_max_model_len_is_refused(llm):
     max_model_len = llm.llm_engine.vllm_config.model_config.max_model_len
     with pytest.raises(ValueError, match=rf"truncate_prompt_tokens value \({max_model_len + 1}\) is greater"):
@@ -262,7 +257,6 @@ def test_truncate_prompt_tokens_beyond_max_model_len_is_refused(llm):
 
 
 # ---------------------------------------------------------------------------- detokenize, spaces
-@pytest.mark.slow
 def test_detokenize_false_returns_the_same_ids_and_no_text(llm):
     with_text = llm.generate(PROMPTS[:2], params(), use_tqdm=False)
     ids_only = llm.generate(PROMPTS[:2], params(detokenize=False), use_tqdm=False)

@@ -144,7 +144,6 @@ def llm(llava_llama) -> LLM:
     return LLM(model=llava_llama, dtype="float32")
 
 
-@pytest.mark.slow
 def test_greedy_matches_transformers(llm, llama_reference):
     prompts, expected = llama_reference
     got, outputs = nano_greedy(llm, prompts)
@@ -152,7 +151,6 @@ def test_greedy_matches_transformers(llm, llama_reference):
     assert [len(o.prompt_token_ids) for o in outputs] == [3 + 16, 5 + 16, 5 + 16, 4 + 32, 2 + 32, 6, 5 + 16]
 
 
-@pytest.mark.slow
 def test_greedy_matches_transformers_over_qwen3(llava_qwen3):
     prompts = layouts(image_token_id(llava_qwen3))
     expected = hf_greedy(llava_qwen3, prompts)
@@ -161,7 +159,6 @@ def test_greedy_matches_transformers_over_qwen3(llava_qwen3):
     assert got == expected
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("disable_chunked_mm_input", [False, True])
 def test_chunked_prefill_around_the_image_matches_transformers(
     llava_llama, llama_reference, disable_chunked_mm_input
@@ -196,7 +193,6 @@ def test_chunked_prefill_around_the_image_matches_transformers(
     assert got == expected
 
 
-@pytest.mark.slow
 def test_prefix_caching_shares_kv_for_the_same_image_only(llava_llama):
     image = image_token_id(llava_llama)
     text = [60, 61, 62, 63, 64, 65]
@@ -235,14 +231,12 @@ def test_a_shared_image_is_encoded_once_and_evicted_when_space_is_needed(llava_l
     assert shared_hash not in runner.encoder_cache and len(runner.encoder_cache) == 1
 
 
-@pytest.mark.slow
 def test_piecewise_compiled_model_matches_transformers(llava_llama, llama_reference):
     prompts, expected = llama_reference
     got, _ = nano_greedy(LLM(model=llava_llama, dtype="float32", compilation_config=3), prompts)
     assert got == expected
 
 
-@pytest.mark.slow
 @pytest.mark.ch13
 def test_tensor_parallel_model_matches_transformers(llava_llama, llama_reference):
     """TP=2 (two gloo worker processes): each rank holds one of CLIP's two heads, half the

@@ -161,7 +161,6 @@ def reference_greedy(model, prompt: list[int], params: list[SamplingParams]) -> 
     return outputs
 
 
-@pytest.mark.slow
 def test_greedy_tokens_under_each_parameter_match_the_reference(demo_tokenizer):
     from transformers import AutoModelForCausalLM
 

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import nano_v1
 from nano_v1 import LLM, SamplingParams
 
-pytestmark = [pytest.mark.ch09, pytest.mark.slow]  # every test talks to a real server
+pytestmark = pytest.mark.ch09  # every test talks to a real server
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -744,6 +744,7 @@ def test_too_large_body_is_a_413(server):
     assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_10_mb_prompt_stalls_no_stream(server, offline):
     """Regression: a 10 MB prompt was tokenized on the event loop; every stream stalled for seconds.
 
@@ -810,6 +811,7 @@ HUGE_BODIES = {
 }
 
 
+@pytest.mark.slow
 def test_a_huge_body_stalls_nothing(server):
     """Regression: a body of 1M unknown keys held the event loop for 34 s (to /tokenize): the 400
     listed every field. Each body here is handled while /version is asked again and again:
@@ -879,6 +881,7 @@ def assert_idle(server: ServeProcess, within_s: float = 10) -> None:
     assert {n: metric(server, n) for n in names} == dict.fromkeys(names, 0.0)
 
 
+@pytest.mark.slow
 def test_mixed_soak_with_cancels(server):
     """A few hundred requests of every kind, some cancelled mid-stream: no failure, and idle at the end."""
     client = server.async_client()
@@ -943,6 +946,7 @@ def test_mixed_soak_with_cancels(server):
     assert_idle(server)
 
 
+@pytest.mark.slow
 def test_port_taken_or_invalid_fails_at_once(server):
     """Regression: a taken port failed only after the model had loaded; --port 70000 printed a traceback."""
     taken = subprocess.run(
@@ -964,6 +968,7 @@ def test_port_taken_or_invalid_fails_at_once(server):
     assert invalid.returncode == 2 and "70000" in invalid.stderr and "Traceback" not in invalid.stderr
 
 
+@pytest.mark.slow
 def test_killed_engine_core_fails_clients_and_the_server_exits(servers):
     """Regression: with its engine core dead the server answered 503s forever; now it exits, non-zero."""
     doomed = servers[1]
@@ -984,6 +989,7 @@ def test_killed_engine_core_fails_clients_and_the_server_exits(servers):
     assert os.listdir(doomed.tmpdir) == []
 
 
+@pytest.mark.slow
 def test_a_dead_tp_worker_is_named_in_the_clients_error():
     """Regression: a TP=2 worker killed mid-stream ended the stream with "the engine core hit an
     exception in its busy loop" while which worker had died, and how, was only in the log. Now
@@ -1017,6 +1023,7 @@ def environ_of(proc: psutil.Process) -> dict[str, str]:
         return {}
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_model_loads_stops_cleanly():
     """Regression: Ctrl-C printed a traceback, and every exit left its temporary directories behind."""
     starting = ServeProcess(*ENGINE_FLAGS, "--disable-log-stats")
@@ -1041,6 +1048,7 @@ def test_ctrl_c_while_the_model_loads_stops_cleanly():
         starting.close()
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_ends_open_streams_with_a_clean_error():
     """Regression: a second Ctrl-C during streams gave every client a 500 ("internal server error
     (ZMQError)") and logged a traceback per stream. Now each stream ends with a 503 saying the
@@ -1082,6 +1090,7 @@ def test_second_ctrl_c_ends_open_streams_with_a_clean_error():
         stopping.close()
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_open_streams_and_leaves_nothing(server):
     """Last: SIGTERM. Regression: uvicorn re-raised it before the engine core was shut down, leaving
     `nano_v1_*` and `pymp-*` directories (and, on a kill, processes) behind."""

@@ -140,9 +140,11 @@ def test_prefill_then_decode_equals_plain_engine(disaggregated):
     tokens, num_cached, scheduled = run_decode(disaggregated["model"], disaggregated["storage"], prompts)
     loaded = [expected_loaded_tokens(len(p)) for p in prompts]
     assert loaded == [0, 16, 32, 32, 16, 16]
-    assert num_cached == loaded
-    assert scheduled == [len(p) - n for p, n in zip(prompts, loaded)]
-    assert tokens == [t[1:] for t in expected]
+    assert num_cached == loaded, f"cached tokens per prompt {num_cached}; the saved whole blocks {loaded} expected"
+    assert scheduled == [len(p) - n for p, n in zip(prompts, loaded)], (
+        f"scheduled prompt tokens {scheduled}; each prompt minus its loaded tokens {loaded} expected"
+    )
+    assert tokens == [t[1:] for t in expected], "the decode engine's tokens differ from the plain engine's"
 
 
 @pytest.mark.ch16_t2

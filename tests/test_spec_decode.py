@@ -420,7 +420,6 @@ def run_engine(path: str, prompts: list[list[int]], speculative_config: dict | N
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
 def test_greedy_with_speculation_equals_transformers(greedy_reference, k):
     """k = 0 is the engine without speculation: it, and every k, must give transformers' tokens."""
@@ -447,7 +446,6 @@ def test_greedy_with_speculation_equals_transformers(greedy_reference, k):
     assert pool.get_num_free_blocks() == len(pool.blocks) - 1  # every block is back
 
 
-@pytest.mark.slow
 def test_greedy_speculation_on_the_demo_model_keeps_outputs_and_gains_tokens_per_step():
     prompt = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def"
     params = SamplingParams(temperature=0.0, max_tokens=32)
@@ -466,7 +464,6 @@ def test_greedy_speculation_on_the_demo_model_keeps_outputs_and_gains_tokens_per
     assert stats.mean_acceptance_length > 1.3, stats
 
 
-@pytest.mark.slow
 def test_metrics_are_vllms_names_and_absent_without_speculation(tiny_qwen3):
     llm, _ = run_engine(
         tiny_qwen3, repetitive_prompts(1)[:1], {"num_speculative_tokens": 2, "prompt_lookup_max": 2}
@@ -510,7 +507,6 @@ def test_break_even_acceptance_rate_inverts_expected_tokens_per_step():
     assert math.isnan(break_even_acceptance_rate(2.5, 1))  # k + 1 tokens could not pay for it
 
 
-@pytest.mark.slow
 def test_spec_benchmarks_run_at_smoke_sizes(tmp_path):
     out = tmp_path / "spec.json"
     cli.main(

@@ -178,7 +178,6 @@ def test_every_emitted_token_is_one_xgrammar_allows(llm, compiler):
             assert completion.finish_reason == "length" and so.regex is None
 
 
-@pytest.mark.slow
 def test_greedy_tokens_identical_with_ngram_speculation_under_a_grammar(llm):
     """Rule: n-gram drafts the grammar forbids are cut, and verification under the bitmask rows of
     every draft gives the tokens plain greedy decoding gives."""

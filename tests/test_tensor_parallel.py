@@ -165,7 +165,6 @@ def prompts_for(path: str) -> list[list[int]]:
     return make_prompts(5, vocab=vocab_of(path), shared_prefix=32)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_tp2_greedy_equals_tp1_and_transformers(checkpoints, name, monkeypatch):
     """Chunked prefill (a 32-token budget), preemption (13 usable blocks of 16 cannot hold all six
@@ -731,7 +730,6 @@ def test_cli_has_the_parallel_flags(command, capsys):
     assert "--tensor-parallel-size" in help_text and "--distributed-executor-backend" in help_text
 
 
-@pytest.mark.slow
 def test_cli_generate_with_two_ranks_prints_what_one_rank_does(capsys):
     """`nano-v1 generate --tensor-parallel-size 2` on the bundled model (in float32, so that the
     two ranks' sums round like one rank's)."""
