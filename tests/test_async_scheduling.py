@@ -389,6 +389,7 @@ def test_async_scheduling_flag_defaults_to_the_multiprocess_executor():
     assert EngineArgs().create_engine_config().parallel_config.distributed_executor_backend == "uni"
 
 
+@pytest.mark.slow
 def test_cli_generate_and_serve_take_the_flag(capsys):
     """`nano-v1 generate --async-scheduling` prints what the synchronous engine prints; `serve` takes it."""
     with pytest.raises(SystemExit) as exit_info:
@@ -509,6 +510,7 @@ def test_async_scheduling_changes_no_output(sync_and_async_llms, monkeypatch, pa
         )
 
 
+@pytest.mark.slow
 def test_async_scheduling_with_the_engine_core_in_its_own_process(sync_and_async_llms, monkeypatch):
     """The busy loop of EngineCoreProc collects the step still in flight when the last
     request finishes, and serves the next requests after it."""
@@ -538,6 +540,7 @@ def test_an_idle_core_with_a_step_in_flight_does_not_wait_for_input():
     assert not loop.is_alive(), "the core waited for input with a step in flight"
 
 
+@pytest.mark.slow
 def test_the_streaming_server_with_async_scheduling(sync_and_async_llms):
     """The OpenAI server (its engine core in a process of its own, the worker in another)
     streams what the synchronous engine generates, stop strings included, and every KV

@@ -37,7 +37,7 @@ from nano_v1.entrypoints.llm import LLM
 from nano_v1.entrypoints.openai.protocol import CompletionRequest
 from nano_v1.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.ch16, pytest.mark.slow]  # every test but the last talks to real servers
+pytestmark = pytest.mark.ch16  # every test but the last two talks to real servers
 
 BLOCK_SIZE = 16
 ENGINE_KWARGS: dict[str, Any] = {
@@ -198,6 +198,7 @@ def test_bad_requests_are_400s_in_openai_shape_and_the_rest_complete(servers):
     assert not_json.status_code == 400 and not_json.json()["error"]["code"] == 400
 
 
+@pytest.mark.slow  # each starts an engine core to refuse its config
 @pytest.mark.parametrize(
     ("config", "message"),
     [

@@ -569,6 +569,7 @@ def sigterm_one_thread(pid: int) -> int:
     return tid
 
 
+@pytest.mark.slow
 def test_engine_core_stops_on_a_sigterm_taken_by_another_thread(checkpoints, monkeypatch):
     """The client stops the engine-core process with SIGTERM. The kernel may hand it to any
     thread, and CPython runs the handler only in the main thread, which sleeps on the input
@@ -642,6 +643,7 @@ def test_a_finished_script_leaves_nothing_behind(checkpoints, tmp_path, multipro
     assert [name for name in names if Path("/dev/shm", name).exists()] == []
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_named_in_the_error_of_an_engine_core_process(checkpoints, monkeypatch):
     """Regression: with the engine core in its own process, `LLM.generate` said only that the
     engine core had died ("exit code 1", or "an exception in its busy loop"), while which
